@@ -1,0 +1,56 @@
+"""Design experiments for the Triton forward (GPU): workspace dtype and state-dot precision.
+
+Times kda.triton.chunk_forward variants on two anchor cases beside fla, and their accuracy
+against fp64 on the anchors' accuracy case. Prints a table; notes go to benchmarks/NOTES.md.
+"""
+
+import os
+
+import torch
+import triton.testing
+
+import kda
+from kda import bench, validation
+from kda.reference import relative_rms
+from kda.triton import chunk_forward
+
+VARIANTS = {
+    "bf16 ws, tf32 state dots": dict(workspace_dtype=torch.bfloat16, mixed=False),
+    "bf16 ws, bf16 state dots": dict(workspace_dtype=torch.bfloat16, mixed=True),
+    "fp16 ws, tf32 state dots": dict(workspace_dtype=torch.float16, mixed=False),
+    "fp32 ws, tf32 state dots": dict(workspace_dtype=torch.float32, mixed=False),
+}
+
+
+def problem(tensors, kw):
+    args = dict(zip(("q", "k", "v", "g", "beta"), tensors))
+    args.update(kw, scale=None, return_intermediate_states=False, disable_recompute=False, allow_neg_eigval=False)
+    extra = {n: args.pop(n) for n in ("A_log", "dt_bias")}
+    return validation.check_chunk_kda(args, extra)
+
+
+def main():
+    os.environ["FLA_FLASH_KDA"] = "0"
+    calls = bench.contenders()
+    fla = calls.get("fla")
+    print("| variant | case | ms | / fla | o err | state err |")
+    print("|---|---|---:|---:|---:|---:|")
+    tensors, kw = bench.make_inputs({"seq_lens": [512, 300, 777], "H": 8}, seed=1)
+    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
+    acc = {}
+    for name, var in VARIANTS.items():
+        o, h = chunk_forward(problem(tensors, kw), **var)
+        acc[name] = (relative_rms(o, o_ref), relative_rms(h, h_ref))
+    for case in (bench.ANCHOR_CASES[0], bench.ANCHOR_CASES[4]):
+        tensors, kw = bench.make_inputs(case)
+        fla_ms = triton.testing.do_bench(lambda: fla(tensors, kw), warmup=25, rep=100, return_mode="median") if fla else float("nan")
+        for name, var in VARIANTS.items():
+            p = problem(tensors, kw)
+            ms = triton.testing.do_bench(lambda: chunk_forward(p, **var), warmup=25, rep=100, return_mode="median")
+            print(f"| {name} | {case['name']} | {ms:.3f} | {ms / fla_ms:.3f} | {acc[name][0]:.2e} | {acc[name][1]:.2e} |", flush=True)
+        print(f"| fla | {case['name']} | {fla_ms:.3f} | 1 | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from kda.cli import main
+
+sys.exit(main())

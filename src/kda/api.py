@@ -1,0 +1,103 @@
+"""The public functions, with fla 0.6.0's parameters, order, defaults and return values."""
+
+from __future__ import annotations
+
+import torch
+
+from kda import dispatch, validation
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention forward, chunked (prefill and training shapes).
+
+    Args:
+        q: queries ``[B, T, H, K]``, float16 / bfloat16 / float32 (float64: torch backend).
+        k: keys ``[B, T, H, K]``, q's dtype.
+        v: values ``[B, T, HV, V]``, q's dtype; ``HV % H == 0`` (GVA: value head j reads
+            q/k head ``j // (HV // H)``).
+        g: log-decay ``[B, T, HV, K]`` (<= 0), or the raw gate input with
+            ``use_gate_in_kernel``; q's dtype or float32.
+        beta: write strengths ``[B, T, HV]``, or logits with ``use_beta_sigmoid_in_kernel``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: float32 ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``.
+        output_final_state: also return the state after the last token of each sequence.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6 under the square root).
+        use_gate_in_kernel: ``g`` is raw; the gate is ``lower_bound * sigmoid(exp(A_log) *
+            (g + dt_bias))`` when ``lower_bound`` is set, else ``-exp(A_log) * softplus(g +
+            dt_bias)``. ``A_log [HV]`` and ``dt_bias [HV * K]`` go in ``kwargs``.
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
+        allow_neg_eigval: ``beta = 2 * sigmoid(beta)`` (needs the previous flag).
+        safe_gate: promise that the gate stays in ``[lower_bound, 0)`` with
+            ``lower_bound >= -5``; lets kernels take their fast path.
+        lower_bound: the lower bound of the safe gate.
+        disable_recompute: accepted for compatibility; the forward result does not depend on it.
+        return_intermediate_states: not supported (raises ValueError).
+        state_v_first: states in VK layout ``[N, HV, V, K]`` (the kernels' native layout).
+        cu_seqlens: int64 ``[N + 1]`` offsets of N packed sequences (then ``B == 1``).
+        cu_seqlens_cpu: a CPU copy of ``cu_seqlens``; saves a device-to-host sync.
+        backend: ``"auto"`` (CUDA, then Triton, then torch, the first that supports the
+            call), ``"cuda"``, ``"triton"`` or ``"torch"``. An explicit backend that cannot
+            run the call raises :class:`kda.BackendUnavailableError` saying why.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32 in the
+        layout of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
+    """
+    problem = validation.check_chunk_kda(locals(), kwargs)
+    return dispatch.select(problem, backend).run(problem)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention forward, token by token (decode shapes).
+
+    Same tensors, flags, state layouts and results as :func:`chunk_kda` (``A_log`` and
+    ``dt_bias`` are positional here, as in fla), so a prefill's final state feeds decode
+    directly. The ``torch`` backend runs the token-by-token reference; the others run their
+    chunked kernels, which compute the same function.
+    """
+    problem = validation.check_fused_recurrent_kda(locals(), kwargs)
+    return dispatch.select(problem, backend).run(problem)

@@ -1,0 +1,238 @@
+"""``kda bench``: the anchor cases, every available kda backend beside fla's ``chunk_kda``
+(``FLA_FLASH_KDA=0``) and FlashKDA when importable, same inputs, same process, median of
+``triton.testing.do_bench``. Writes JSON, a Markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+# bf16, K = V = 128, lower-bound gate lb = -5, l2norm and beta sigmoid fused, fp32 state [N, H, V, K].
+ANCHOR_CASES = [
+    {"name": "1x8192 H96", "seq_lens": [8192], "H": 96},
+    {"name": "varlen6 H96", "seq_lens": [1300, 547, 2048, 963, 271, 3063], "H": 96},
+    {"name": "varlen 1024x8 H96", "seq_lens": [1024] * 8, "H": 96},
+    {"name": "1x8192 H64", "seq_lens": [8192], "H": 64},
+    {"name": "1x32768 H32", "seq_lens": [32768], "H": 32},
+    {"name": "16x4096 H32", "batch": 16, "T": 4096, "H": 32},
+    {"name": "16x2048 H16", "batch": 16, "T": 2048, "H": 16},
+]
+# FlashKDA / fla ratios measured on the same kind of H200 (shared/anchors/h200-2026-11-30.json).
+FLASH_KDA_RATIO = {
+    "1x8192 H96": 0.534,
+    "varlen6 H96": 0.526,
+    "varlen 1024x8 H96": 0.455,
+    "1x8192 H64": 0.687,
+    "1x32768 H32": 1.039,
+}
+D = 128
+COPY_TBPS_FALLBACK = 4.27
+
+
+def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple, dict]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H = case["H"]
+    if "seq_lens" in case:
+        lens = case["seq_lens"]
+        B, T, N = 1, sum(lens), len(lens)
+        cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+        cu = cu_cpu.to(device)
+    else:
+        B, T, N = case["batch"], case["T"], case["batch"]
+        cu = cu_cpu = None
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    tensors = (randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H, D), randn(B, T, H))
+    kwargs = dict(
+        initial_state=randn(N, H, D, D, dtype=torch.float32),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        lower_bound=-5.0,
+        state_v_first=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+        A_log=torch.rand(H, generator=gen, device=device),
+        dt_bias=torch.rand(H * D, generator=gen, device=device),
+    )
+    return tensors, kwargs
+
+
+def floor_bytes(case: dict) -> int:
+    """Bytes that must move: q, k, v, g (bf16), beta read once, o written once, states read
+    and written (fp32)."""
+    H = case["H"]
+    T = sum(case["seq_lens"]) if "seq_lens" in case else case["batch"] * case["T"]
+    N = len(case["seq_lens"]) if "seq_lens" in case else case["batch"]
+    return T * H * (5 * D * 2 + 2) + 2 * N * H * D * D * 4
+
+
+def measure_copy_tbps() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    import triton.testing
+
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    del x, y
+    return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12
+
+
+def contenders() -> dict:
+    """name -> callable(tensors, kwargs) for every implementation present."""
+    import kda
+
+    out = {}
+    for b in kda.backends():
+        if b.available and b.name != "torch":
+            out[f"kda-{b.name}"] = lambda t, kw, name=b.name: kda.chunk_kda(*t, backend=name, **kw)
+    if importlib.util.find_spec("fla") is not None:
+        os.environ["FLA_FLASH_KDA"] = "0"
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        def fla_call(t, kw):
+            with torch.inference_mode():
+                return fla_chunk_kda(*t, **kw)
+
+        out["fla"] = fla_call
+    if importlib.util.find_spec("flash_kda") is not None:
+        import flash_kda
+
+        out["flash_kda"] = lambda t, kw: flash_kda.fwd(*t, **kw)
+    return out
+
+
+def versions() -> dict:
+    import triton
+
+    import kda
+
+    v = {"kda": kda.__version__, "torch": torch.__version__, "triton": triton.__version__,
+         "python": platform.python_version(), "cuda": torch.version.cuda}  # fmt: skip
+    for mod in ("fla", "flash_kda"):
+        if importlib.util.find_spec(mod) is not None:
+            try:
+                from importlib.metadata import version
+
+                v[mod] = version("fla-core" if mod == "fla" else "flash-kda")
+            except Exception:  # noqa: BLE001 - the version is informational
+                v[mod] = "installed"
+    return v
+
+
+def accuracy_rows(calls: dict) -> list[dict]:
+    """The anchors' accuracy cases: relative RMS against fp64 of o and the final state."""
+    import kda
+    from kda.reference import relative_rms
+
+    rows = []
+    for lens in ([1024], [512, 300, 777]):
+        tensors, kw = make_inputs({"seq_lens": lens, "H": 8}, seed=1)
+        kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+        o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
+        for name, call in calls.items():
+            o, h = call(tensors, kw)
+            rows.append({"case": f"lens {lens}", "impl": name, "o": relative_rms(o, o_ref), "final_state": relative_rms(h, h_ref)})
+    return rows
+
+
+def main(args) -> int:
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("kda bench needs a CUDA GPU (it times kernels); use `kda compare` on CPU")
+        return 1
+    calls = contenders()
+    copy_tbps = measure_copy_tbps()
+    cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
+    results = []
+    for case in cases:
+        tensors, kw = make_inputs(case)
+        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
+        for name, call in calls.items():
+            call(tensors, kw)  # compile, autotune
+            row["ms"][name] = triton.testing.do_bench(lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median")
+        if "fla" in row["ms"]:
+            row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
+            if case["name"] in FLASH_KDA_RATIO:
+                row["flash_kda_ratio_anchor"] = FLASH_KDA_RATIO[case["name"]]
+        results.append(row)
+        print(case["name"], {n: round(t, 3) for n, t in row["ms"].items()}, flush=True)
+    accuracy = accuracy_rows(calls)
+
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "date": date,
+        "versions": versions(),
+        "measured_copy_TBps": copy_tbps,
+        "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms), same inputs, same process",
+        "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]",
+        "cases": results,
+        "accuracy_vs_fp64": accuracy,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{props.name.split()[-1].lower()}-{date}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    table = markdown_table(report)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    plot(report, out / f"{stem}.png")
+    return 0
+
+
+def markdown_table(report: dict) -> str:
+    impls = list(report["cases"][0]["ms"])
+    lines = [
+        f"{report['gpu']}, {report['date']}, " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "",
+        "| case | floor ms | " + " | ".join(f"{n} ms" for n in impls) + " | "
+        + " | ".join(f"{n} / fla" for n in impls if n != "fla") + " | FlashKDA / fla (anchor) |",
+        "|---|---:|" + "---:|" * (2 * len(impls) - (1 if "fla" in impls else 0)) + "---:|",
+    ]  # fmt: skip
+    for row in report["cases"]:
+        ratios = row.get("ratio_to_fla", {})
+        cells = [f"{row['ms'][n]:.3f}" for n in impls] + [f"{ratios[n]:.3f}" if n in ratios else "-" for n in impls if n != "fla"]
+        anchor = row.get("flash_kda_ratio_anchor")
+        lines.append(f"| {row['case']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + f" | {anchor if anchor else '-'} |")
+    lines += ["", "| accuracy case | impl | o rel RMS | final state rel RMS |", "|---|---|---:|---:|"]
+    for a in report["accuracy_vs_fp64"]:
+        lines.append(f"| {a['case']} | {a['impl']} | {a['o']:.2e} | {a['final_state']:.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'kda[bench]')")
+        return
+    cases = [r["case"] for r in report["cases"]]
+    impls = list(report["cases"][0]["ms"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
+        ax.bar(xs, [r["ms"][name] for r in report["cases"]], width, label=name)
+    ax.scatter(range(len(cases)), [r["floor_ms"] for r in report["cases"]], marker="_", s=600, c="k", label="memory floor", zorder=3)
+    ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right")
+    ax.set_ylabel("ms (median, do_bench)")
+    ax.set_title(f"KDA forward, {report['gpu']}, {report['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,201 @@
+"""``kda compare`` / ``kda info`` / ``kda bench`` (also ``python -m kda ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _use_interpreter_without_gpu() -> bool:
+    """On a machine without a GPU, run the Triton kernels through the interpreter so that
+    the comparison still covers them (must happen before kda.triton is imported)."""
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
+
+
+def make_problem(args: argparse.Namespace, device: str) -> tuple[tuple, dict]:
+    """Random inputs (fixed seed) for chunk_kda: tensors and keyword arguments."""
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    if args.seq_lens:
+        lens = [int(x) for x in args.seq_lens.split(",")]
+        B, T = 1, sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+        N = len(lens)
+    else:
+        B, T, cu, N = args.batch, args.T, None, args.batch
+    H, HV, K, V = args.H, args.HV or args.H, args.D, args.D
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    tensors = (randn(B, T, H, K), randn(B, T, H, K), randn(B, T, HV, V), randn(B, T, HV, K), randn(B, T, HV))
+    kwargs = dict(
+        initial_state=randn(N, HV, V, K, dt=torch.float32),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        state_v_first=True,
+        cu_seqlens=None if cu is None else cu.to(device),
+        cu_seqlens_cpu=cu,
+    )
+    if args.gate == "precomputed":
+        g = -torch.rand(B, T, HV, K, generator=gen, device=device) * 1.5
+        tensors = (*tensors[:3], g.to(dtype), tensors[4])
+    else:
+        kwargs.update(
+            use_gate_in_kernel=True,
+            A_log=torch.rand(HV, generator=gen, device=device),
+            dt_bias=torch.rand(HV * K, generator=gen, device=device),
+        )
+        if args.gate == "lower_bound":
+            kwargs.update(lower_bound=-5.0, safe_gate=True)
+    return tensors, kwargs
+
+
+def time_call(fn, device: str, repeats: int) -> float:
+    """Median milliseconds per call (do_bench on a GPU, wall clock on the CPU)."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=max(repeats, 50), return_mode="median")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    interpreted = _use_interpreter_without_gpu()
+    import kda
+    from kda.reference import relative_rms
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        for name, small in (("T", 64), ("H", 2), ("D", 32)):
+            if getattr(args, name) is None:
+                setattr(args, name, small)
+    else:
+        for name, real in (("T", 8192), ("H", 32), ("D", 128)):
+            if getattr(args, name) is None:
+                setattr(args, name, real)
+    tensors, kwargs = make_problem(args, device)
+    shape = f"seq_lens={args.seq_lens}" if args.seq_lens else f"B={args.batch} T={args.T}"
+    print(f"kda compare: {shape} H={args.H} HV={args.HV or args.H} D={args.D} {args.dtype} gate={args.gate} on {device}")
+    if interpreted:
+        print("(no GPU: Triton kernels run under TRITON_INTERPRET=1, so their times are not kernel speed)")
+
+    print("reference: chunk-16 form in float64 ...", flush=True)
+    ref_kwargs = dict(kwargs)
+    for name in ("initial_state", "A_log", "dt_bias"):
+        if ref_kwargs.get(name) is not None:
+            ref_kwargs[name] = ref_kwargs[name].double()
+    o_ref, ht_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **ref_kwargs)
+
+    available = [b.name for b in kda.backends() if b.available]
+    wanted = args.backends.split(",") if args.backends else [b.name for b in kda.backends()]
+    rows, first = [], None
+    for name in wanted:
+        if name not in available:
+            reason = next(b.reason for b in kda.backends() if b.name == name)
+            print(f"  {name}: skipped ({reason})")
+            continue
+        print(f"  running {name} ...", flush=True)
+
+        def call(name=name):
+            return kda.chunk_kda(*tensors, backend=name, **kwargs)
+
+        try:
+            o, ht = call()
+        except kda.BackendUnavailableError as err:
+            print(f"  {name}: skipped ({err})")
+            continue
+        first = first or (name, o)
+        ms = time_call(call, device, args.repeats if device == "cpu" or name != "torch" else 3)
+        diff = (o.float() - first[1].float()).abs().max().item()
+        rows.append((name, relative_rms(o, o_ref), relative_rms(ht, ht_ref), diff, ms))
+
+    print()
+    ref_name = first[0] if first else "-"
+    print(f"| backend | o rel RMS vs fp64 | state rel RMS vs fp64 | max abs diff vs {ref_name} | ms / call |")
+    print("|---|---:|---:|---:|---:|")
+    for name, eo, es, diff, ms in rows:
+        print(f"| {name} | {eo:.2e} | {es:.2e} | {diff:.2e} | {ms:.3f} |")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import kda
+
+    print(f"kda {kda.__version__}  python {platform.python_version()}  torch {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton {triton.__version__}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    except ImportError:
+        print("triton: not installed")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"GPU: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)")
+    else:
+        print("GPU: none visible to torch")
+    print()
+    print("| backend | available | reason |")
+    print("|---|---|---|")
+    for b in kda.backends():
+        print(f"| {b.name} | {'yes' if b.available else 'no'} | {b.reason} |")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kda import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kda", description="Kimi Delta Attention kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    compare = sub.add_parser("compare", help="run every available backend on one problem against fp64")
+    compare.add_argument("--T", type=int, default=None, help="tokens per sequence (default 64 on CPU, 8192 on GPU)")
+    compare.add_argument("--batch", type=int, default=1)
+    compare.add_argument("--seq-lens", default=None, help="varlen: comma-separated lengths, e.g. 1300,547,2048")
+    compare.add_argument("--H", type=int, default=None, help="q/k heads (default 2 on CPU, 32 on GPU)")
+    compare.add_argument("--HV", type=int, default=None, help="value heads (GVA), default H")
+    compare.add_argument("--D", type=int, default=None, help="head dim K = V (default 32 on CPU, 128 on GPU)")
+    compare.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    compare.add_argument("--gate", choices=["lower_bound", "softplus", "precomputed"], default="lower_bound")
+    compare.add_argument("--backends", default=None, help="comma-separated subset, default: all available")
+    compare.add_argument("--repeats", type=int, default=3)
+    compare.add_argument("--seed", type=int, default=0)
+    compare.set_defaults(func=cmd_compare)
+
+    info = sub.add_parser("info", help="backends and environment")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="time the anchor cases against fla (GPU)")
+    bench.add_argument("--out", default="benchmarks/results", help="folder for JSON, Markdown and PNG")
+    bench.add_argument("--quick", action="store_true", help="fewer, shorter cases")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    return args.func(args)

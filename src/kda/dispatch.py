@@ -1,0 +1,126 @@
+"""Backend registry and choice: which implementation runs a checked :class:`Problem`.
+
+Every backend says whether it is available at all (``availability``) and whether it
+supports a given call (``rejects``), each with a reason. ``backend="auto"`` takes the first
+of ``AUTO_ORDER`` that accepts the call. Every decision, and every refusal with its reason,
+is logged once per process on the ``kda`` logger, and can be captured with
+:func:`record_dispatch` (tests use it to prove that a fast path really ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kda.validation import Problem
+
+logger = logging.getLogger("kda")
+
+AUTO_ORDER = ("cuda", "triton", "torch")
+BACKEND_MODULES = {"cuda": "kda.cuda", "triton": "kda.triton", "torch": "kda.torch_backend"}
+
+
+class Backend(Protocol):
+    name: str
+
+    def availability(self) -> str | None:
+        """None when the backend can run on this machine, else why not."""
+
+    def rejects(self, problem: Problem) -> str | None:
+        """None when the backend supports this call, else the unsupported feature."""
+
+    def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o, final_state)`` with fla's shapes, dtypes and state layout."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when an explicitly requested backend cannot run the call; says why."""
+
+
+_backends: dict[str, Backend] = {}
+_logged: set[str] = set()
+_recorders: list[list[str]] = []
+_lock = threading.Lock()
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"`backend` must be one of 'auto', {', '.join(map(repr, BACKEND_MODULES))}; got {name!r}")
+    if name not in _backends:
+        _backends[name] = importlib.import_module(BACKEND_MODULES[name]).BACKEND
+    return _backends[name]
+
+
+def backends() -> list[BackendInfo]:
+    """Every backend, whether it can run on this machine, and why (not)."""
+    infos = []
+    for name in AUTO_ORDER:
+        reason = get_backend(name).availability()
+        infos.append(BackendInfo(name, reason is None, reason or "ready"))
+    return infos
+
+
+def log_once(message: str) -> None:
+    with _lock:
+        if message in _logged:
+            return
+        _logged.add(message)
+    logger.info("[kda] %s", message)
+
+
+def note(event: str) -> None:
+    """Append an event (a dispatch decision or a kernel launch) to active recorders."""
+    for events in _recorders:
+        events.append(event)
+
+
+@contextlib.contextmanager
+def record_dispatch() -> Iterator[list[str]]:
+    """Collect ``"chunk_kda -> triton"`` decisions and ``"triton:<kernel>"`` launches."""
+    events: list[str] = []
+    _recorders.append(events)
+    try:
+        yield events
+    finally:
+        _recorders.remove(events)
+
+
+def refusal(backend: Backend, problem: Problem) -> str | None:
+    return backend.availability() or backend.rejects(problem)
+
+
+def select(problem: Problem, requested: str) -> Backend:
+    """The backend that runs ``problem``; raises if an explicit choice cannot."""
+    if requested != "auto":
+        backend = get_backend(requested)
+        reason = refusal(backend, problem)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend={requested!r} cannot run {problem.describe()}: {reason}")
+        chosen = backend
+    else:
+        chosen = None
+        for name in AUTO_ORDER:
+            backend = get_backend(name)
+            reason = refusal(backend, problem)
+            if reason is None:
+                chosen = backend
+                break
+            log_once(f"{problem.op}: {name} rejected: {reason}")
+        assert chosen is not None, "the torch backend accepts every checked problem"
+    log_once(f"{problem.op} -> {chosen.name}")
+    note(f"{problem.op} -> {chosen.name}")
+    return chosen

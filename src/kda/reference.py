@@ -1,0 +1,279 @@
+"""Kimi Delta Attention in plain torch: the specification, step by step.
+
+Everything here runs on any device and in any floating dtype, float64 included, and is the
+yardstick the kernels are measured against. Two forms of the same function:
+
+- :func:`naive_recurrent_kda`: the token-by-token recurrence (``kda-spec.md`` section 1);
+- :func:`chunk16_kda`: the chunk-16 form (section 2), cut into the stages the kernels have:
+  :func:`prepare_chunk` (token-parallel: cumsum, decayed operands, A, M, the inverse) and
+  :func:`recurrence_step` (sequential over chunks: the state update).
+
+Shapes follow fla: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``;
+beta ``[B, T, HV]``; states ``[N, HV, K, V]`` (KV layout). The functions here take the
+*activated* gate and beta; :func:`activate_inputs` applies the optional pre-processing
+(l2norm, gate activation, beta sigmoid) that the public API fuses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 16
+L2NORM_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gate_lower_bound(
+    g_raw: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float,
+) -> torch.Tensor:
+    """The safe gate: ``lb * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))``, in ``[lb, 0)``.
+
+    ``g_raw`` is ``[..., HV, K]``; ``A_log`` is ``[HV]`` (None drops the ``exp(A_log)``
+    factor); ``dt_bias`` is ``[HV, K]`` or None.
+    """
+    x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
+    if A_log is not None:
+        x = A_log.to(g_raw.dtype).exp().unsqueeze(-1) * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def gate_softplus(
+    g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The unbounded gate: ``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, in ``(-inf, 0]``."""
+    x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
+    return -A_log.to(g_raw.dtype).exp().unsqueeze(-1) * F.softplus(x)
+
+
+def beta_from_logits(b: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
+    """``sigmoid(b)``, or ``2 * sigmoid(b)`` so that the delta rule may flip a direction."""
+    return torch.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
+
+
+def activate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = False,
+    use_gate: bool = False,
+    use_beta_sigmoid: bool = False,
+    allow_neg_eigval: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The optional pre-processing of the public API, each step switched by its flag."""
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate:
+        if lower_bound is not None:
+            g = gate_lower_bound(g, A_log, dt_bias, lower_bound)
+        else:
+            g = gate_softplus(g, A_log, dt_bias)
+    if use_beta_sigmoid:
+        beta = beta_from_logits(beta, allow_neg_eigval)
+    return q, k, g, beta
+
+
+def sequence_bounds(T: int, B: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """``(batch row, start, end)`` of every sequence: B rows of T, or the cu_seqlens segments."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    offsets = cu_seqlens.tolist()
+    return [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
+
+
+def _expand_qk_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
+    """GVA: value head j reads q/k head j // (HV // H)."""
+    return x.repeat_interleave(HV // x.shape[-2], dim=-2)
+
+
+# ----------------------------------------------------------------------------- recurrence
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token-by-token recurrence, in the dtype of ``q`` (spec section 1).
+
+    Per token: ``S = Diag(exp(g_t)) S``; ``S += beta_t k_t (v_t - S^T k_t)^T``;
+    ``o_t = scale * S^T q_t``. States are KV layout ``[N, HV, K, V]``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    dtype = q.dtype
+    scale = K**-0.5 if scale is None else scale
+    q, k = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
+    bounds = sequence_bounds(T, B, cu_seqlens)
+    final = torch.zeros(len(bounds), HV, K, V, dtype=dtype, device=q.device)
+    for n, (b, start, end) in enumerate(bounds):
+        S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].to(dtype).clone()
+        for t in range(start, end):
+            S = S * g[b, t].exp().unsqueeze(-1)
+            residual = v[b, t] - torch.einsum("hk,hkv->hv", k[b, t], S)
+            S = S + torch.einsum("hk,hv->hkv", beta[b, t].unsqueeze(-1) * k[b, t], residual)
+            o[b, t] = scale * torch.einsum("hk,hkv->hv", q[b, t], S)
+        final[n] = S
+    return o, (final if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- chunk-16 form
+
+
+@dataclass
+class ChunkOperands:
+    """What the prepare stage hands the recurrence for one chunk of C <= 16 rows.
+
+    Shapes per value head (leading ``[HV]`` dimension omitted): ``q_decayed``, ``w`` and
+    ``k_restored`` ``[C, K]``; ``inverse_beta`` and ``M`` ``[C, C]``; ``gamma`` ``[K]``.
+    """
+
+    q_decayed: torch.Tensor  # Q~ = scale * q * exp(G)
+    w: torch.Tensor  # (I + A)^-1 Diag(beta) K~, so that U = (I+A)^-1 Diag(beta) V - w S
+    inverse_beta: torch.Tensor  # (I + A)^-1 Diag(beta)
+    M: torch.Tensor  # scale * q_i . (k_j * exp(G_i - G_j)), j <= i
+    k_restored: torch.Tensor  # K^ = k * exp(G_last - G)
+    gamma: torch.Tensor  # exp(G_last): the decay of the whole chunk
+
+
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower-triangular ``A`` of size <= 16, as a finite product.
+
+    ``A^16 = 0``, so ``(I + A)^-1 = sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)(I + A^8)``:
+    three squarings and three products, all dense (tensor-core friendly in a kernel).
+    """
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    A2 = A @ A
+    A4 = A2 @ A2
+    A8 = A4 @ A4
+    return (eye - A) @ (eye + A2) @ (eye + A4) @ (eye + A8)
+
+
+def pairwise_decay(G: torch.Tensor) -> torch.Tensor:
+    """``exp(G_i - G_j)`` for ``j <= i`` (0 above the diagonal), shape ``[..., C, C, K]``.
+
+    Formed from the difference directly, so every exponent is <= 0: exact for any gate,
+    the unbounded softplus one included. (The kernels factor it as two decayed operands
+    where the range allows; see ``docs/algorithm.md``.)
+    """
+    C = G.shape[-2]
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., i, j, K] = G_i - G_j
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    diff = diff.masked_fill(~causal.unsqueeze(-1), float("-inf"))
+    return diff.exp()
+
+
+def prepare_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+) -> ChunkOperands:
+    """The token-parallel stage for one chunk: ``q, k, g [HV, C, K]``, ``beta [HV, C]``."""
+    C = q.shape[-2]
+    G = g.cumsum(-2)  # G_i = g_1 + ... + g_i
+    decay = pairwise_decay(G)  # [HV, C, C, K]
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    A = torch.einsum("hid,hjd,hijd->hij", k, k, decay) * beta.unsqueeze(-1)
+    A = A.masked_fill(~strict, 0.0)
+    M = scale * torch.einsum("hid,hjd,hijd->hij", q, k, decay)
+    inverse_beta = unit_lower_inverse(A) * beta.unsqueeze(-2)  # (I+A)^-1 Diag(beta)
+    k_decayed = k * G.exp()  # K~
+    return ChunkOperands(
+        q_decayed=scale * q * G.exp(),
+        w=inverse_beta @ k_decayed,
+        inverse_beta=inverse_beta,
+        M=M,
+        k_restored=k * (G[..., -1:, :] - G).exp(),
+        gamma=G[..., -1, :].exp(),
+    )
+
+
+def recurrence_step(
+    ops: ChunkOperands, v: torch.Tensor, S: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the sequential stage: ``v [HV, C, V]``, ``S [HV, K, V]`` -> ``(O, S_next)``.
+
+    ``U = (I+A)^-1 Diag(beta) (V - K~ S) = inverse_beta V - w S`` (the new values);
+    ``O = Q~ S + M U``; ``S_next = Diag(gamma) S + K^^T U``.
+    """
+    U = ops.inverse_beta @ v - ops.w @ S
+    O = ops.q_decayed @ S + ops.M @ U
+    S_next = ops.gamma.unsqueeze(-1) * S + ops.k_restored.transpose(-1, -2) @ U
+    return O, S_next
+
+
+def chunk16_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk-16 form (spec section 2), in the dtype of ``q``; same contract as
+    :func:`naive_recurrent_kda`. Each sequence is cut into chunks from its own start;
+    the last chunk may be shorter."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    dtype = q.dtype
+    scale = K**-0.5 if scale is None else scale
+    q, k = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
+    bounds = sequence_bounds(T, B, cu_seqlens)
+    final = torch.zeros(len(bounds), HV, K, V, dtype=dtype, device=q.device)
+    for n, (b, start, end) in enumerate(bounds):
+        S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].to(dtype).clone()
+        for c0 in range(start, end, CHUNK):
+            rows = slice(c0, min(c0 + CHUNK, end))
+            heads_first = [x[b, rows].transpose(0, 1) for x in (q, k, g, v)]
+            ops = prepare_chunk(*heads_first[:3], beta[b, rows].transpose(0, 1), scale)
+            O, S = recurrence_step(ops, heads_first[3], S)
+            o[b, rows] = O.transpose(0, 1)
+        final[n] = S
+    return o, (final if output_final_state else None)
+
+
+def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64; NaN anywhere gives NaN (never a pass)."""
+    x64, ref64 = x.double(), ref.double()
+    denom = ref64.norm().item()
+    err = (x64 - ref64).norm().item()
+    if denom == 0.0:
+        return err if math.isfinite(err) else float("nan")
+    return err / denom

@@ -1,0 +1,68 @@
+"""The ``torch`` backend: the reference of :mod:`kda.reference` behind the public API.
+
+Runs on any device and dtype, supports every call the API accepts and is differentiable
+by torch autograd. It computes in float32 (float64 for float64 inputs); it is slow, and is
+meant as the fallback and the yardstick.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda import reference
+from kda.validation import Problem
+
+
+def activated_inputs(p: Problem, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta in ``dtype`` with the API's optional pre-processing applied."""
+    q, k, g, beta = reference.activate_inputs(
+        p.q.to(dtype),
+        p.k.to(dtype),
+        p.g.to(dtype),
+        p.beta.to(dtype),
+        use_qk_l2norm=p.use_qk_l2norm,
+        use_gate=p.use_gate,
+        use_beta_sigmoid=p.use_beta_sigmoid,
+        allow_neg_eigval=p.allow_neg_eigval,
+        A_log=None if p.A_log is None else p.A_log.to(dtype),
+        dt_bias=None if p.dt_bias is None else p.dt_bias.to(dtype),
+        lower_bound=p.lower_bound,
+    )
+    return q, k, p.v.to(dtype), g, beta
+
+
+def run_reference(p: Problem, dtype: torch.dtype, recurrent: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the reference in ``dtype``; o and the state come back in ``dtype``, fla's layout."""
+    h0 = p.initial_state
+    if h0 is not None:
+        h0 = h0.to(dtype)
+        if p.state_v_first:
+            h0 = h0.transpose(-1, -2)
+    form = reference.naive_recurrent_kda if recurrent else reference.chunk16_kda
+    o, ht = form(
+        *activated_inputs(p, dtype),
+        scale=p.scale,
+        initial_state=h0,
+        output_final_state=p.output_final_state,
+        cu_seqlens=p.cu_seqlens_cpu if p.cu_seqlens_cpu is not None else p.cu_seqlens,
+    )
+    if ht is not None and p.state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    return o, ht
+
+
+class TorchBackend:
+    name = "torch"
+
+    def availability(self) -> str | None:
+        return None
+
+    def rejects(self, problem: Problem) -> str | None:
+        return None
+
+    def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        o, ht = run_reference(p, p.state_dtype, recurrent=p.op == "fused_recurrent_kda")
+        return o.to(p.q.dtype), (None if ht is None else ht.to(p.state_dtype))
+
+
+BACKEND = TorchBackend()

@@ -1,0 +1,83 @@
+"""The ``triton`` backend: the chunk-16 forward as two Triton stages.
+
+:mod:`kda.triton.prepare` (token-parallel) writes per-chunk operands; the recurrence of
+:mod:`kda.triton.recurrence` runs each sequence's chunks in order with the V dimension split
+across programs. :func:`chunk_forward` runs both; ``fused_recurrent_kda`` uses the same
+kernels (a chunk may hold a single token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda.dispatch import note
+from kda.triton.common import chunk_tables, interpreting
+from kda.triton.prepare import prepare_chunks
+from kda.triton.recurrence import recurrence_v_split
+from kda.validation import Problem
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def precision_for(dtype: torch.dtype) -> tuple[torch.dtype, str, bool]:
+    """(workspace dtype, dot precision, mixed state dots) for an input dtype.
+
+    16-bit inputs: operands stored in that dtype, A/M/w products and the state products
+    in tf32 (the state keeps 10 mantissa bits in the product instead of bf16's 7).
+    float32 inputs: float32 workspace and tf32x3 products (float32 accuracy, 1e-4 bar).
+    """
+    if dtype == torch.float32:
+        return torch.float32, "tf32x3", False
+    return dtype, "tf32", False
+
+
+def chunk_forward(
+    p: Problem,
+    out: torch.Tensor | None = None,
+    final_state_out: torch.Tensor | None = None,
+    workspace_dtype: torch.dtype | None = None,
+    mixed: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run both stages. ``out`` / ``final_state_out`` may be given (tests poison them first);
+    otherwise they are allocated. ``workspace_dtype`` and ``mixed`` override
+    :func:`precision_for` (benchmarks compare the variants)."""
+    o = torch.empty_like(p.v, dtype=p.q.dtype) if out is None else out
+    ht = None
+    if p.output_final_state:
+        shape = (p.N, p.HV, p.V, p.K) if p.state_v_first else (p.N, p.HV, p.K, p.V)
+        ht = torch.empty(shape, dtype=torch.float32, device=p.q.device) if final_state_out is None else final_state_out
+    default_dtype, dot_precision, default_mixed = precision_for(p.q.dtype)
+    workspace_dtype = workspace_dtype or default_dtype
+    mixed = default_mixed if mixed is None else mixed
+    tables = chunk_tables(p)
+    ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
+    note("triton:prepare_chunks")
+    recurrence_v_split(p, tables, ws, o, ht, mixed, dot_precision)
+    note("triton:recurrence_v_split")
+    return o, ht
+
+
+class TritonBackend:
+    name = "triton"
+
+    def availability(self) -> str | None:
+        if interpreting():
+            return None
+        if not torch.cuda.is_available():
+            return "no CUDA GPU visible to torch (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
+        return None
+
+    def rejects(self, p: Problem) -> str | None:
+        if p.q.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {p.q.dtype} (needs float16, bfloat16 or float32)"
+        if p.q.device.type != "cuda" and not interpreting():
+            return f"tensors on {p.q.device} (needs CUDA tensors, or TRITON_INTERPRET=1)"
+        if p.requires_grad:
+            return "inputs require grad and the Triton backward is not implemented (use backend='torch')"
+        return None
+
+    def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return chunk_forward(p)
+
+
+BACKEND = TritonBackend()

@@ -1,0 +1,149 @@
+"""Input generators and the fp64 yardstick shared by the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import kda
+from kda import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass
+class Case:
+    """One random KDA problem; ``kwargs()`` gives the chunk_kda keyword arguments."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    initial_state: torch.Tensor | None
+    gate: str  # "precomputed", "lower_bound", "softplus"
+    A_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    state_v_first: bool = False
+    l2norm: bool = True
+
+    def kwargs(self, **over) -> dict:
+        kw = dict(
+            initial_state=self.initial_state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=self.l2norm,
+            use_beta_sigmoid_in_kernel=True,
+            state_v_first=self.state_v_first,
+            cu_seqlens=self.cu_seqlens,
+        )
+        if self.gate != "precomputed":
+            kw.update(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        if self.gate == "lower_bound":
+            kw.update(lower_bound=-5.0, safe_gate=True)
+        kw.update(over)
+        return kw
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k, self.v, self.g, self.beta
+
+    def to(self, dtype: torch.dtype | None = None, device=None) -> Case:
+        """The same problem with q, k, v (and a float64 state for float64) in ``dtype``."""
+
+        def cast(x, floating=True):
+            if x is None:
+                return None
+            return x.to(device=device, dtype=dtype if floating else None)
+
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        return dataclasses.replace(
+            self,
+            q=cast(self.q),
+            k=cast(self.k),
+            v=cast(self.v),
+            g=self.g.to(device=device, dtype=torch.float64 if dtype == torch.float64 else self.g.dtype),
+            beta=self.beta.to(device=device, dtype=torch.float64 if dtype == torch.float64 else self.beta.dtype),
+            initial_state=None if self.initial_state is None else self.initial_state.to(device, state_dtype),
+            A_log=None if self.A_log is None else self.A_log.to(device, state_dtype),
+            dt_bias=None if self.dt_bias is None else self.dt_bias.to(device, state_dtype),
+            cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device),
+        )
+
+
+def make_case(
+    seq_lens: list[int] | None = None,
+    B: int = 1,
+    T: int = 32,
+    H: int = 2,
+    HV: int | None = None,
+    K: int = 32,
+    V: int = 32,
+    dtype: torch.dtype = torch.float32,
+    gate: str = "lower_bound",
+    state_v_first: bool = False,
+    with_state: bool = True,
+    device="cpu",
+    seed: int | None = None,
+    steep_steps: int = 0,
+) -> Case:
+    """Fresh random inputs (never zeros). ``seq_lens`` makes a varlen problem (B = 1).
+    ``steep_steps`` sets that many random (t, channel) log-decays to -50 (precomputed gate)
+    or gate inputs to huge values (softplus gate)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    HV = HV or H
+    cu = None
+    if seq_lens is not None:
+        B, T = 1, sum(seq_lens)
+        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    N = B if cu is None else len(seq_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    if gate == "precomputed":
+        g = -torch.rand(B, T, HV, K, generator=gen) * 1.5 - 0.01
+        if steep_steps and T:
+            idx = torch.randint(0, T, (steep_steps,), generator=gen)
+            g[:, idx, :, : max(1, K // 2)] = -50.0
+    else:
+        g = randn(B, T, HV, K) * 2
+        if steep_steps and T:
+            idx = torch.randint(0, T, (steep_steps,), generator=gen)
+            g[:, idx] = 40.0  # softplus(40) * exp(A_log) >= 40 per step
+    case = Case(
+        q=randn(B, T, H, K),
+        k=randn(B, T, H, K),
+        v=randn(B, T, HV, V),
+        g=g,
+        beta=randn(B, T, HV),
+        initial_state=randn(N, HV, V, K) if state_v_first else randn(N, HV, K, V),
+        gate=gate,
+        A_log=torch.rand(HV, generator=gen) if gate != "precomputed" else None,
+        dt_bias=torch.rand(HV * K, generator=gen) if gate != "precomputed" else None,
+        cu_seqlens=cu,
+        state_v_first=state_v_first,
+    )
+    if not with_state:
+        case.initial_state = None
+    return case.to(dtype, device)
+
+
+def fp64_reference(case: Case, recurrent: bool = True, **over) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 token-by-token reference, on the CPU, in fla's layouts."""
+    c64 = case.to(torch.float64, "cpu")
+    fn = kda.fused_recurrent_kda if recurrent else kda.chunk_kda
+    kw = c64.kwargs(**over)
+    if recurrent:
+        kw.pop("safe_gate", None)
+    return fn(*c64.tensors(), backend="torch", **kw)
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return reference.relative_rms(x.cpu(), ref.cpu())
+
+
+def assert_close_fp64(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    assert torch.isfinite(x).all(), f"{what}: non-finite values"
+    err = rel(x, ref)
+    assert err <= tol, f"{what}: relative RMS {err:.3e} > {tol:.1e}"

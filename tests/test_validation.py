@@ -1,0 +1,100 @@
+"""Bad input raises ValueError or TypeError naming the argument, before any launch."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import make_case
+
+import kda
+
+
+def base(**over):
+    case = make_case(T=20, H=2, HV=4, K=16, V=16, gate="lower_bound", seed=0)
+    args = dict(zip(("q", "k", "v", "g", "beta"), case.tensors()))
+    kw = case.kwargs()
+    args.update(kw)
+    args.update(over)
+    return args
+
+
+T_, H_, HV_, K_, V_ = 20, 2, 4, 16, 16
+BAD = [
+    ("q rank", dict(q=torch.randn(T_, H_, K_)), ValueError, "`q`"),
+    ("k shape", dict(k=torch.randn(1, T_, H_, K_ + 1)), ValueError, "`k`"),
+    ("v shape", dict(v=torch.randn(1, T_ + 1, HV_, V_)), ValueError, "`v`"),
+    ("g shape", dict(g=torch.randn(1, T_, HV_, K_ - 1)), ValueError, "`g`"),
+    ("beta shape", dict(beta=torch.randn(1, T_, HV_, 1)), ValueError, "`beta`"),
+    ("q not a tensor", dict(q=[1.0]), TypeError, "`q`"),
+    ("k dtype", dict(k=torch.randn(1, T_, H_, K_, dtype=torch.float16)), TypeError, "`k`"),
+    ("v dtype", dict(v=torch.randn(1, T_, HV_, V_, dtype=torch.float64)), TypeError, "`v`"),
+    ("g dtype", dict(g=torch.zeros(1, T_, HV_, K_, dtype=torch.int32)), TypeError, "`g`"),
+    ("q int", dict(q=torch.ones(1, T_, H_, K_, dtype=torch.int64)), TypeError, "`q`"),
+    ("device", dict(beta=torch.randn(1, T_, HV_, device="meta")), ValueError, "`beta`"),
+    ("HV % H", dict(
+        v=torch.randn(1, T_, 3, V_), g=torch.randn(1, T_, 3, K_), beta=torch.randn(1, T_, 3),
+        initial_state=None, A_log=torch.rand(3), dt_bias=torch.rand(3 * K_),
+    ), ValueError, "HV=3"),
+    ("K > 256", dict(
+        q=torch.randn(1, T_, H_, 257), k=torch.randn(1, T_, H_, 257), g=torch.randn(1, T_, HV_, 257),
+        initial_state=None, dt_bias=None,
+    ), ValueError, "K=257"),
+    ("V > 256", dict(v=torch.randn(1, T_, HV_, 300), initial_state=None), ValueError, "V=300"),
+    ("head_first", dict(head_first=True), ValueError, "`head_first"),
+    ("cu_seqlens int32", dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), TypeError, "`cu_seqlens`"),
+    ("cu_seqlens 2-D", dict(cu_seqlens=torch.tensor([[0, 20]])), ValueError, "`cu_seqlens`"),
+    ("cu_seqlens start", dict(cu_seqlens=torch.tensor([1, 20])), ValueError, "start at 0"),
+    ("cu_seqlens decreasing", dict(cu_seqlens=torch.tensor([0, 12, 8, 20])), ValueError, "non-decreasing"),
+    ("cu_seqlens end", dict(cu_seqlens=torch.tensor([0, 19])), ValueError, "end at T"),
+    ("cu_seqlens with B=2", dict(
+        q=torch.randn(2, 10, H_, K_), k=torch.randn(2, 10, H_, K_), v=torch.randn(2, 10, HV_, V_),
+        g=torch.randn(2, 10, HV_, K_), beta=torch.randn(2, 10, HV_), cu_seqlens=torch.tensor([0, 10]),
+    ), ValueError, "batch size must be 1"),
+    ("initial_state shape", dict(initial_state=torch.randn(2, HV_, K_, V_)), ValueError, "`initial_state`"),
+    ("initial_state dtype", dict(initial_state=torch.randn(1, HV_, K_, V_, dtype=torch.bfloat16)), TypeError, "`initial_state`"),
+    ("initial_state layout", dict(initial_state=torch.randn(1, HV_, K_, V_ + 1), state_v_first=True), ValueError, "[N, HV, V, K]"),
+    ("lower_bound < -5", dict(lower_bound=-6.0), ValueError, "`lower_bound`"),
+    ("lower_bound >= 0", dict(lower_bound=0.0), ValueError, "`lower_bound`"),
+    ("safe gate without lb", dict(lower_bound=None), ValueError, "`lower_bound`"),
+    ("A_log missing", dict(A_log=None, lower_bound=None, safe_gate=False), ValueError, "`A_log`"),
+    ("A_log shape", dict(A_log=torch.rand(HV_ + 1)), ValueError, "`A_log`"),
+    ("dt_bias shape", dict(dt_bias=torch.rand(HV_ * K_ + 1)), ValueError, "`dt_bias`"),
+    ("neg eigval without sigmoid", dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "`allow_neg_eigval"),
+    ("intermediate states", dict(return_intermediate_states=True), ValueError, "`return_intermediate_states"),
+    ("scale", dict(scale=float("nan")), TypeError, "`scale`"),
+    ("unknown kwarg", dict(use_grpah=True), TypeError, "use_grpah"),
+    ("backend name", dict(backend="fast"), ValueError, "`backend`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,over,exc,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected(name, over, exc, needle):
+    args = base(**over)
+    h0 = args.get("initial_state")
+    before = None if h0 is None else h0.clone()
+    with pytest.raises(exc) as info:
+        kda.chunk_kda(**args)
+    assert needle in str(info.value), f"message does not name {needle}: {info.value}"
+    if h0 is not None:
+        assert torch.equal(h0, before), "a caller tensor was modified"
+
+
+def test_fused_recurrent_validates_too():
+    args = base(q=torch.randn(T_, H_, K_))
+    args.pop("safe_gate")
+    with pytest.raises(ValueError, match="`q`"):
+        kda.fused_recurrent_kda(**args)
+
+
+def test_transpose_state_layout_alias():
+    args = base(backend="torch")
+    h0 = args.pop("initial_state")
+    args.pop("state_v_first")
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o, ht = kda.chunk_kda(**args, initial_state=h0.transpose(-1, -2).contiguous(), transpose_state_layout=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o2, ht2 = kda.chunk_kda(**args, initial_state=h0.transpose(-1, -2).contiguous(), state_v_first=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        kda.chunk_kda(**args, initial_state=h0, state_v_first=True, transpose_state_layout=True)
