@@ -9,15 +9,17 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-if [[ $step == all || $step == tests ]]; then
-  KDA_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -x tests -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|kda o|Error|assert" | head -40
+# steps: all, or one of tests / compare / variants / bench; several: "tests bench"
+if [[ $step == all || $step == *bench* ]]; then
+  timeout 330 python3 -m kda bench --out "$OUT" > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 fi
-if [[ $step == all || $step == compare ]]; then
-  timeout 120 python3 -m kda compare 2>&1 | tee "$OUT/compare.log"
+if [[ $step == all || $step == *tests* ]]; then
+  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x ${TESTS:-tests} -p no:cacheprovider -s > "$OUT/pytest-gpu.log" 2>&1
+  grep -E "passed|failed|kda o|Error|assert" "$OUT/pytest-gpu.log" | head -20
 fi
-if [[ $step == all || $step == variants ]]; then
-  timeout 200 python3 benchmarks/variants.py 2>&1 | tee "$OUT/variants.log"
+if [[ $step == all || $step == *compare* ]]; then
+  timeout 120 python3 -m kda compare > "$OUT/compare.log" 2>&1; tail -5 "$OUT/compare.log"
 fi
-if [[ $step == all || $step == bench ]]; then
-  timeout 300 python3 -m kda bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+if [[ $step == all || $step == *variants* ]]; then
+  timeout 200 python3 benchmarks/variants.py > "$OUT/variants.log" 2>&1; cat "$OUT/variants.log"
 fi

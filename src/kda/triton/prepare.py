@@ -31,9 +31,10 @@ import triton.language as tl
 
 from kda.triton.common import CHUNK, autotune_configs
 
-LOG2E = 1.4426950408889634
-EXP2_LIMIT = 116.0  # 2^116 * |k| stays far below the float32 maximum 2^128
-L2NORM_EPS = 1e-6
+ROWS = tl.constexpr(CHUNK)
+LOG2E = tl.constexpr(1.4426950408889634)
+EXP2_LIMIT = tl.constexpr(116.0)  # 2^116 * |k| stays far below the float32 maximum 2^128
+L2NORM_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit
@@ -68,9 +69,9 @@ def prepare_chunks_kernel(
     n = tl.load(chunk_seq + i_c).to(tl.int64)
     bos = tl.load(seq_offsets + n)
     eos = tl.load(seq_offsets + n + 1)
-    t0 = bos + (i_c - tl.load(chunk_offsets + n)) * CHUNK
+    t0 = bos + (i_c - tl.load(chunk_offsets + n)) * ROWS
 
-    rows = tl.arange(0, CHUNK)
+    rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BK)
     tok = t0 + rows
     row_ok = tok < eos
@@ -101,7 +102,7 @@ def prepare_chunks_kernel(
 
     # Cumulative log-decay in base 2; masked rows repeat the last valid row.
     G2 = tl.cumsum(b_g, axis=0) * LOG2E
-    G2_last = _row(G2, rows, CHUNK - 1)
+    G2_last = _row(G2, rows, ROWS - 1)
     decay = tl.exp2(G2)
     b_qd = b_q * decay * scale  # Q~
     b_kd = b_k * decay  # K~
@@ -114,9 +115,9 @@ def prepare_chunks_kernel(
         # Row i only needs columns j <= i, whose -G_j <= -G_i: a row within the limit is exact.
         row_far = tl.min(G2, axis=1) < -EXP2_LIMIT
         if tl.max(row_far.to(tl.int32), axis=0) > 0:
-            A_pair = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-            M_pair = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-            for j in tl.static_range(CHUNK):
+            A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+            M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+            for j in tl.static_range(ROWS):
                 k_j = _row(b_k, rows, j)
                 d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # exp(G_i - G_j), rows i >= j
                 a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
@@ -141,11 +142,11 @@ def prepare_chunks_kernel(
     b_w = tl.dot(b_ib, b_kd, input_precision=DOT_PRECISION)
 
     # Workspace: [NC, HV, 16, BK] operands, [NC, HV, 16, 16] matrices, [NC, HV, BK] gamma.
-    tile = (i_c * HV + i_hv) * CHUNK * BK + rows[:, None] * BK + cols[None, :]
+    tile = (i_c * HV + i_hv) * ROWS * BK + rows[:, None] * BK + cols[None, :]
     tl.store(q_decayed + tile, b_qd.to(q_decayed.dtype.element_ty))
     tl.store(w + tile, b_w.to(w.dtype.element_ty))
     tl.store(k_restored + tile, b_kr.to(k_restored.dtype.element_ty))
-    square = (i_c * HV + i_hv) * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
+    square = (i_c * HV + i_hv) * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
     tl.store(inverse_beta + square, b_ib)
     tl.store(M + square, b_M)
     tl.store(gamma + (i_c * HV + i_hv) * BK + cols, tl.exp2(G2_last))

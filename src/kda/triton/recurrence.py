@@ -16,16 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHUNK, autotune_configs
+from kda.triton.common import CHUNK, autotune_configs, interpreting
+
+ROWS = tl.constexpr(CHUNK)
 
 
 @triton.jit
-def _mm(a, b, MIXED: tl.constexpr, OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _mm(a, b, MIXED: tl.constexpr, OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr):  # fmt: skip
     """a @ b with a float32 result; MIXED rounds both operands to the 16-bit workspace dtype
     (fastest), otherwise both go in as float32 at DOT_PRECISION (tf32 keeps 3 more bits of
     the state than bf16)."""
     if MIXED:
-        return tl.dot(a.to(OPERAND_DTYPE), b.to(OPERAND_DTYPE))
+        a16, b16 = a.to(OPERAND_DTYPE), b.to(OPERAND_DTYPE)
+        if INTERPRET:
+            # The interpreter multiplies 16-bit operands in float16, which overflows outside
+            # its range; the same rounded operands in float32 give the tensor cores' result.
+            return tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
+        return tl.dot(a16, b16)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
 
 
@@ -41,7 +49,7 @@ def recurrence_v_split_kernel(
     PARALLEL_BUCKET,  # autotune key only: how many (sequence, head) pairs, coarsely
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -51,7 +59,7 @@ def recurrence_v_split_kernel(
     c_first = tl.load(chunk_offsets + n)
     c_end = tl.load(chunk_offsets + n + 1)
 
-    rows = tl.arange(0, CHUNK)
+    rows = tl.arange(0, ROWS)
     rows_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     v_ok = cols_v < V
@@ -67,11 +75,11 @@ def recurrence_v_split_kernel(
 
     operand_dtype = q_decayed.dtype.element_ty
     for c in tl.range(c_first, c_end):
-        tok = bos + (c - c_first) * CHUNK + rows
+        tok = bos + (c - c_first) * ROWS + rows
         io_mask = (tok < eos)[:, None] & v_ok[None, :]
         io_tile = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
-        tile = (c * HV + i_hv) * CHUNK * BK + rows[:, None] * BK + rows_k[None, :]
-        square = (c * HV + i_hv) * CHUNK * CHUNK + rows[:, None] * CHUNK + rows[None, :]
+        tile = (c * HV + i_hv) * ROWS * BK + rows[:, None] * BK + rows_k[None, :]
+        square = (c * HV + i_hv) * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
 
         b_v = tl.load(v + io_tile, mask=io_mask, other=0.0)
         b_qd = tl.load(q_decayed + tile)
@@ -82,9 +90,9 @@ def recurrence_v_split_kernel(
         b_gamma = tl.load(gamma + (c * HV + i_hv) * BK + rows_k)
 
         U = tl.dot(b_ib, b_v.to(tl.float32), input_precision=DOT_PRECISION)
-        U -= _mm(b_w, S, MIXED, operand_dtype, DOT_PRECISION)
-        b_o = _mm(b_qd, S, MIXED, operand_dtype, DOT_PRECISION) + _mm(b_M, U, MIXED, operand_dtype, DOT_PRECISION)
-        S = b_gamma[:, None] * S + _mm(tl.trans(b_kr), U, MIXED, operand_dtype, DOT_PRECISION)
+        U -= _mm(b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        b_o = _mm(b_qd, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET) + _mm(b_M, U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        S = b_gamma[:, None] * S + _mm(tl.trans(b_kr), U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         tl.store(o + io_tile, b_o.to(o.dtype.element_ty), mask=io_mask)
 
     if STORE_HT:
@@ -103,5 +111,5 @@ def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, 
         min(triton.next_power_of_2(N * HV), 1024),
         HV=HV, K=p.K, V=p.V, BK=tables.BK,
         HAS_H0=p.initial_state is not None, STORE_HT=ht is not None, STATE_V_FIRST=p.state_v_first,
-        MIXED=mixed, DOT_PRECISION=dot_precision,
+        MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(),
     )  # fmt: skip
