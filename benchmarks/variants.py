@@ -44,11 +44,18 @@ def main():
         acc[name] = (relative_rms(o, o_ref), relative_rms(h, h_ref))
     for case in (bench.ANCHOR_CASES[0], bench.ANCHOR_CASES[4]):
         tensors, kw = bench.make_inputs(case)
-        fla_ms = triton.testing.do_bench(lambda: fla(tensors, kw), warmup=25, rep=100, return_mode="median") if fla else float("nan")
+        fla_ms = (
+            triton.testing.do_bench(lambda: fla(tensors, kw), warmup=25, rep=100, return_mode="median")
+            if fla
+            else float("nan")
+        )
         for name, var in VARIANTS.items():
             p = problem(tensors, kw)
             ms = triton.testing.do_bench(lambda: chunk_forward(p, **var), warmup=25, rep=100, return_mode="median")
-            print(f"| {name} | {case['name']} | {ms:.3f} | {ms / fla_ms:.3f} | {acc[name][0]:.2e} | {acc[name][1]:.2e} |", flush=True)
+            print(
+                f"| {name} | {case['name']} | {ms:.3f} | {ms / fla_ms:.3f} | {acc[name][0]:.2e} | {acc[name][1]:.2e} |",
+                flush=True,
+            )
         print(f"| fla | {case['name']} | {fla_ms:.3f} | 1 | | |")
 
 

@@ -5,11 +5,11 @@ Run on the torch backend and on the Triton kernels (under the interpreter on CPU
 
 import pytest
 import torch
-from helpers import DEVICE, make_case, rel
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kda
+from helpers import DEVICE, make_case, rel
 
 BACKENDS = ["torch", "triton"]
 GATES = ("precomputed", "lower_bound", "softplus")
@@ -21,7 +21,9 @@ def run(case, backend, **over):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(lens=st.lists(st.integers(0, 37), min_size=1, max_size=4), gate=st.sampled_from(GATES), seed=st.integers(0, 9999))
+@given(
+    lens=st.lists(st.integers(0, 37), min_size=1, max_size=4), gate=st.sampled_from(GATES), seed=st.integers(0, 9999)
+)
 def test_varlen_equals_one_by_one(backend, lens, gate, seed):
     case = make_case(seq_lens=lens, H=1, HV=2, K=16, V=16, gate=gate, device=DEVICE, seed=seed)
     o, ht = run(case, backend)

@@ -1,10 +1,10 @@
 """The two torch forms of the spec agree in float64: chunk-16 == token-by-token."""
 
 import torch
-from helpers import make_case, rel
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import make_case, rel
 from kda import reference
 
 GATES = ("precomputed", "lower_bound", "softplus")

@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from helpers import DEVICE, assert_close_fp64, fp64_reference, make_case, rel
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kda
+from helpers import DEVICE, assert_close_fp64, fp64_reference, make_case, rel
 from kda import validation
 from kda.triton import chunk_forward
 
@@ -101,7 +101,7 @@ def test_auto_runs_the_triton_kernels_where_they_apply():
 def test_fused_recurrent_on_triton_equals_chunk():
     case = make_case(seq_lens=[1, 1, 3, 0], H=2, K=16, V=16, device=DEVICE, seed=9)
     kw = case.kwargs()
-    kw.pop("safe_gate")
+    kw.pop("safe_gate", None)
     with kda.record_dispatch() as events:
         o, ht = kda.fused_recurrent_kda(*case.tensors(), backend="triton", **kw)
     assert "triton:recurrence_v_split" in events
@@ -121,7 +121,7 @@ def test_prefill_then_decode_equals_one_prefill():
     for t in range(37, 40):
         step = [x[:, t : t + 1] for x in case.tensors()]
         kw = case.kwargs(initial_state=state)
-        kw.pop("safe_gate")
+        kw.pop("safe_gate", None)
         o_t, state = kda.fused_recurrent_kda(*step, backend="triton", **kw)
         outs.append(o_t)
     assert rel(torch.cat(outs, 1), o[:, 37:]) <= 1e-5
@@ -172,7 +172,10 @@ def test_gpu_no_worse_than_fla(lens):
         o_fla, ht_fla = fla_chunk_kda(*case.tensors(), **kw)
     c64 = case.to(torch.float64)
     o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs())
-    print(f"kda o {rel(o, o_ref):.3e} state {rel(ht, ht_ref):.3e}; fla o {rel(o_fla, o_ref):.3e} state {rel(ht_fla, ht_ref):.3e}")
+    print(
+        f"kda o {rel(o, o_ref):.3e} state {rel(ht, ht_ref):.3e}; "
+        f"fla o {rel(o_fla, o_ref):.3e} state {rel(ht_fla, ht_ref):.3e}"
+    )
     assert rel(o, o_ref) <= 1.1 * rel(o_fla, o_ref)
     assert rel(ht, ht_ref) <= 1.1 * rel(ht_fla, ht_ref)
 
@@ -197,3 +200,18 @@ def test_gpu_long_strict_causality():
             x[:, t:] = torch.randn_like(x[:, t:])
         o2, _ = kda.chunk_kda(*changed.tensors(), backend="triton", **changed.kwargs())
         assert torch.equal(o[:, :t], o2[:, :t])
+
+
+def test_kernels_compile_for_hopper():
+    """Compile both kernels for sm_90 with Triton's own toolchain; needs no GPU, so CI
+    catches what the interpreter lets through (e.g. non-constexpr globals). Runs in a
+    child process: kernels defined under TRITON_INTERPRET=1 cannot be compiled."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_hopper.py")
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("compiled") == 8, res.stdout

@@ -4,9 +4,9 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_case
 
 import kda
+from helpers import make_case
 
 
 def base(**over):

@@ -83,7 +83,6 @@ def measure_copy_tbps() -> float:
     import triton.testing
 
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
-    del x, y
     return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12
 
 
@@ -141,7 +140,14 @@ def accuracy_rows(calls: dict) -> list[dict]:
         o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
         for name, call in calls.items():
             o, h = call(tensors, kw)
-            rows.append({"case": f"lens {lens}", "impl": name, "o": relative_rms(o, o_ref), "final_state": relative_rms(h, h_ref)})
+            rows.append(
+                {
+                    "case": f"lens {lens}",
+                    "impl": name,
+                    "o": relative_rms(o, o_ref),
+                    "final_state": relative_rms(h, h_ref),
+                }
+            )
     return rows
 
 
@@ -162,7 +168,9 @@ def main(args) -> int:
         "versions": versions(),
         "measured_copy_TBps": copy_tbps,
         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms), same inputs, same process",
-        "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]",
+        "inputs": (
+            "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]"
+        ),
         "accuracy_vs_fp64": accuracy_rows(calls),
         "cases": [],
     }
@@ -174,7 +182,9 @@ def main(args) -> int:
         row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
         for name, call in calls.items():
             call(tensors, kw)  # compile, autotune
-            row["ms"][name] = triton.testing.do_bench(lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median")
+            row["ms"][name] = triton.testing.do_bench(
+                lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median"
+            )
         if "fla" in row["ms"]:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
             if case["name"] in FLASH_KDA_RATIO:
@@ -200,9 +210,13 @@ def markdown_table(report: dict) -> str:
     ]  # fmt: skip
     for row in report["cases"]:
         ratios = row.get("ratio_to_fla", {})
-        cells = [f"{row['ms'][n]:.3f}" for n in impls] + [f"{ratios[n]:.3f}" if n in ratios else "-" for n in impls if n != "fla"]
+        cells = [f"{row['ms'][n]:.3f}" for n in impls] + [
+            f"{ratios[n]:.3f}" if n in ratios else "-" for n in impls if n != "fla"
+        ]
         anchor = row.get("flash_kda_ratio_anchor")
-        lines.append(f"| {row['case']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + f" | {anchor if anchor else '-'} |")
+        lines.append(
+            f"| {row['case']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + f" | {anchor if anchor else '-'} |"
+        )
     lines += ["", "| accuracy case | impl | o rel RMS | final state rel RMS |", "|---|---|---:|---:|"]
     for a in report["accuracy_vs_fp64"]:
         lines.append(f"| {a['case']} | {a['impl']} | {a['o']:.2e} | {a['final_state']:.2e} |")
@@ -225,7 +239,15 @@ def plot(report: dict, path: Path) -> None:
     for i, name in enumerate(impls):
         xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
         ax.bar(xs, [r["ms"][name] for r in report["cases"]], width, label=name)
-    ax.scatter(range(len(cases)), [r["floor_ms"] for r in report["cases"]], marker="_", s=600, c="k", label="memory floor", zorder=3)
+    ax.scatter(
+        range(len(cases)),
+        [r["floor_ms"] for r in report["cases"]],
+        marker="_",
+        s=600,
+        c="k",
+        label="memory floor",
+        zorder=3,
+    )
     ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right")
     ax.set_ylabel("ms (median, do_bench)")
     ax.set_title(f"KDA forward, {report['gpu']}, {report['date']}")

@@ -93,7 +93,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 setattr(args, name, real)
     tensors, kwargs = make_problem(args, device)
     shape = f"seq_lens={args.seq_lens}" if args.seq_lens else f"B={args.batch} T={args.T}"
-    print(f"kda compare: {shape} H={args.H} HV={args.HV or args.H} D={args.D} {args.dtype} gate={args.gate} on {device}")
+    print(
+        f"kda compare: {shape} H={args.H} HV={args.HV or args.H} D={args.D} {args.dtype} gate={args.gate} on {device}"
+    )
     if interpreted:
         print("(no GPU: Triton kernels run under TRITON_INTERPRET=1, so their times are not kernel speed)")
 

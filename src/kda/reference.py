@@ -51,9 +51,7 @@ def gate_lower_bound(
     return lower_bound * torch.sigmoid(x)
 
 
-def gate_softplus(
-    g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None
-) -> torch.Tensor:
+def gate_softplus(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """The unbounded gate: ``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, in ``(-inf, 0]``."""
     x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
     return -A_log.to(g_raw.dtype).exp().unsqueeze(-1) * F.softplus(x)
@@ -218,9 +216,7 @@ def prepare_chunk(
     )
 
 
-def recurrence_step(
-    ops: ChunkOperands, v: torch.Tensor, S: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrence_step(ops: ChunkOperands, v: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of the sequential stage: ``v [HV, C, V]``, ``S [HV, K, V]`` -> ``(O, S_next)``.
 
     ``U = (I+A)^-1 Diag(beta) (V - K~ S) = inverse_beta V - w S`` (the new values);

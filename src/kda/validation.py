@@ -160,9 +160,7 @@ def _check_gate_params(
     if dt_bias is not None:
         d = _require_tensor("dt_bias", dt_bias)
         if d.numel() != HV * K or d.shape[-1] not in (K, HV * K):
-            raise ValueError(
-                f"`dt_bias` must have shape [HV*K]={[HV * K]} or [HV, K]={[HV, K]}, got {list(d.shape)}"
-            )
+            raise ValueError(f"`dt_bias` must have shape [HV*K]={[HV * K]} or [HV, K]={[HV, K]}, got {list(d.shape)}")
         _require_device("dt_bias", d, device)
         dt_bias = d.reshape(HV, K).float().contiguous()
     return A_log, dt_bias
@@ -267,7 +265,9 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
         if lower_bound is None:
             raise ValueError("`lower_bound` must be set when `safe_gate=True` and `use_gate_in_kernel=True`")
         if not SAFE_LOWER_BOUND_MIN <= lower_bound < 0:
-            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0) with `safe_gate=True`, got {lower_bound}")
+            raise ValueError(
+                f"`lower_bound` must be in the safe range [-5, 0) with `safe_gate=True`, got {lower_bound}"
+            )
     if use_gate:
         A_log, dt_bias = _check_gate_params(A_log, dt_bias, HV, K, device, lower_bound)
     else:

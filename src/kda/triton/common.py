@@ -17,9 +17,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def autotune_configs(
-    params: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]
-) -> list[triton.Config]:
+def autotune_configs(params: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]) -> list[triton.Config]:
     """Every combination of ``params`` x warps x stages. Only the first (the first listed
     value of each) under the interpreter, which cannot time kernels, or with
     ``KDA_TRITON_AUTOTUNE=0`` (test runs that would otherwise tune dozens of shapes)."""
@@ -47,10 +45,7 @@ class ChunkTables:
 def chunk_tables(p) -> ChunkTables:
     """Build the tables on the host from host offsets (validation keeps a CPU copy of
     ``cu_seqlens``, so this costs no device sync) and copy them in one transfer."""
-    if p.cu_seqlens is None:
-        offsets = torch.arange(p.B + 1, dtype=torch.int64) * p.T
-    else:
-        offsets = p.cu_seqlens_cpu
+    offsets = torch.arange(p.B + 1, dtype=torch.int64) * p.T if p.cu_seqlens is None else p.cu_seqlens_cpu
     counts = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
     chunk_offsets = torch.zeros_like(offsets)
     torch.cumsum(counts, 0, out=chunk_offsets[1:])

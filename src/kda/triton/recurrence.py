@@ -91,7 +91,9 @@ def recurrence_v_split_kernel(
 
         U = tl.dot(b_ib, b_v.to(tl.float32), input_precision=DOT_PRECISION)
         U -= _mm(b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        b_o = _mm(b_qd, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET) + _mm(b_M, U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        b_o = _mm(b_qd, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET) + _mm(
+            b_M, U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        )
         S = b_gamma[:, None] * S + _mm(tl.trans(b_kr), U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         tl.store(o + io_tile, b_o.to(o.dtype.element_ty), mask=io_mask)
 

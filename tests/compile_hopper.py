@@ -1,0 +1,46 @@
+"""Compile the Triton kernels for sm_90 without a GPU (run by test_kernels_compile_for_hopper)."""
+
+import itertools
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from triton.runtime.jit import JITFunction
+
+from kda.triton.prepare import prepare_chunks_kernel
+from kda.triton.recurrence import recurrence_v_split_kernel
+
+POINTERS = {
+    **{n: "*fp32" for n in ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht")},
+    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq")},
+}
+
+
+def build(kernel, scalars: dict, consts: dict) -> None:
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    sig = {n: POINTERS.get(n, "*bf16") for n in kernel.arg_names}
+    sig.update(scalars)
+    sig.update({c: "constexpr" for c in consts})
+    compiled = compile(
+        ASTSource(fn=kernel, signature=sig, constexprs=consts),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "num_stages": 2},
+    )
+    assert "mma" in compiled.asm["ptx"], "no tensor-core instruction in the PTX"
+    print("compiled", kernel.__name__, consts)
+
+
+for gate, l2 in itertools.product((0, 1, 2), (False, True)):
+    build(
+        prepare_chunks_kernel,
+        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32"},
+        dict(H=4, HV=8, K=100, BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=l2,
+             BETA_SIGMOID=True, SAFE=gate == 1, DOT_PRECISION="tf32"),
+    )  # fmt: skip
+for mixed in (False, True):
+    build(
+        recurrence_v_split_kernel,
+        {"PARALLEL_BUCKET": "i32"},
+        dict(HV=8, K=100, V=100, BK=128, BV=32, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=mixed,
+             MIXED=mixed, DOT_PRECISION="tf32", INTERPRET=False),
+    )  # fmt: skip

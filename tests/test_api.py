@@ -1,0 +1,84 @@
+"""Backend reporting, dispatch decisions and their log lines, the CLI."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kda
+from helpers import make_case
+from kda import dispatch
+
+
+def test_backends_report_every_backend_with_reason():
+    infos = {b.name: b for b in kda.backends()}
+    assert set(infos) == {"cuda", "triton", "torch"}
+    assert infos["torch"].available
+    for b in infos.values():
+        assert b.reason, f"{b.name} gives no reason"
+    if not torch.cuda.is_available():
+        assert not infos["cuda"].available and "not built" in infos["cuda"].reason
+
+
+def test_explicit_unavailable_backend_says_why():
+    case = make_case(T=8, H=1, K=16, V=16, seed=0)
+    with pytest.raises(kda.BackendUnavailableError, match="cuda.*not built"):
+        kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+
+
+def test_float64_goes_to_torch_with_logged_reason(caplog):
+    case = make_case(T=8, H=1, K=16, V=16, dtype=torch.float64, seed=1)
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kda"), kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), **case.kwargs())
+        kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert events == ["chunk_kda -> torch", "chunk_kda -> torch"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert "[kda] chunk_kda -> torch" in lines
+    assert any(line.startswith("[kda] chunk_kda: triton rejected: dtype torch.float64") for line in lines)
+    assert lines.count("[kda] chunk_kda -> torch") == 1, "a decision is logged once per process"
+
+
+def test_torch_backend_is_differentiable():
+    case = make_case(T=10, H=1, K=8, V=8, seed=2)
+    q = case.q.clone().requires_grad_()
+    o, ht = kda.chunk_kda(q, *case.tensors()[1:], **case.kwargs())
+    (o.sum() + ht.sum()).backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_fused_recurrent_torch_equals_chunk_torch():
+    case = make_case(seq_lens=[5, 0, 21], H=2, HV=4, K=8, V=8, gate="softplus", seed=3)
+    kw = case.kwargs()
+    o_c, h_c = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    kw.pop("safe_gate", None)
+    o_r, h_r = kda.fused_recurrent_kda(*case.tensors(), backend="torch", **kw)
+    assert torch.allclose(o_c, o_r, atol=1e-5) and torch.allclose(h_c, h_r, atol=1e-5)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kda", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_info_prints_backends():
+    res = run_cli("info")
+    assert res.returncode == 0, res.stderr
+    assert "| torch | yes | ready |" in res.stdout and "| cuda |" in res.stdout
+
+
+def test_cli_compare_prints_table():
+    res = run_cli("compare", "--T", "20", "--H", "1", "--D", "16", "--repeats", "1")
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| torch") or line.startswith("| triton")]
+    assert len(rows) == 2, res.stdout
+    for row in rows:
+        o_err, state_err = (float(x) for x in row.split("|")[2:4])
+        assert o_err < 1e-2 and state_err < 1e-2
+
+
+def test_cli_compare_varlen_fp32():
+    res = run_cli("compare", "--seq-lens", "7,0,18", "--H", "2", "--D", "16", "--dtype", "fp32", "--gate", "softplus")
+    assert res.returncode == 0, res.stderr
+    assert "| torch |" in res.stdout
