@@ -121,6 +121,33 @@ def naive_recurrent_kda(
     Per token: ``S = Diag(exp(g_t)) S``; ``S += beta_t k_t (v_t - S^T k_t)^T``;
     ``o_t = scale * S^T q_t``. States are KV layout ``[N, HV, K, V]``.
     """
+    return _each_sequence(_token_steps, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _token_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over one sequence: inputs ``[L, HV, ...]``, state ``[HV, K, V]``."""
+    o = torch.zeros_like(v)
+    for t in range(q.shape[0]):
+        S = S * g[t].exp().unsqueeze(-1)
+        residual = v[t] - torch.einsum("hk,hkv->hv", k[t], S)
+        S = S + torch.einsum("hk,hv->hkv", beta[t].unsqueeze(-1) * k[t], residual)
+        o[t] = scale * torch.einsum("hk,hkv->hv", q[t], S)
+    return o, S
+
+
+def _each_sequence(
+    advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shared frame of both forms: GVA head expansion, dtypes, sequences one by one.
+    ``advance(q, k, v, g, beta, S, scale)`` runs one sequence (inputs ``[L, HV, ...]``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     dtype = q.dtype
@@ -134,12 +161,7 @@ def naive_recurrent_kda(
         S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
         if initial_state is not None:
             S = initial_state[n].to(dtype).clone()
-        for t in range(start, end):
-            S = S * g[b, t].exp().unsqueeze(-1)
-            residual = v[b, t] - torch.einsum("hk,hkv->hv", k[b, t], S)
-            S = S + torch.einsum("hk,hv->hkv", beta[b, t].unsqueeze(-1) * k[b, t], residual)
-            o[b, t] = scale * torch.einsum("hk,hkv->hv", q[b, t], S)
-        final[n] = S
+        o[b, start:end], final[n] = advance(*(x[b, start:end] for x in (q, k, v, g, beta)), S, scale)
     return o, (final if output_final_state else None)
 
 
@@ -242,27 +264,26 @@ def chunk16_kda(
     """The chunk-16 form (spec section 2), in the dtype of ``q``; same contract as
     :func:`naive_recurrent_kda`. Each sequence is cut into chunks from its own start;
     the last chunk may be shorter."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    dtype = q.dtype
-    scale = K**-0.5 if scale is None else scale
-    q, k = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
-    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
-    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
-    bounds = sequence_bounds(T, B, cu_seqlens)
-    final = torch.zeros(len(bounds), HV, K, V, dtype=dtype, device=q.device)
-    for n, (b, start, end) in enumerate(bounds):
-        S = torch.zeros(HV, K, V, dtype=dtype, device=q.device)
-        if initial_state is not None:
-            S = initial_state[n].to(dtype).clone()
-        for c0 in range(start, end, CHUNK):
-            rows = slice(c0, min(c0 + CHUNK, end))
-            heads_first = [x[b, rows].transpose(0, 1) for x in (q, k, g, v)]
-            ops = prepare_chunk(*heads_first[:3], beta[b, rows].transpose(0, 1), scale)
-            O, S = recurrence_step(ops, heads_first[3], S)
-            o[b, rows] = O.transpose(0, 1)
-        final[n] = S
-    return o, (final if output_final_state else None)
+    return _each_sequence(_chunk_steps, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _chunk_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare and recurrence chunk by chunk over one sequence (inputs ``[L, HV, ...]``)."""
+    o = torch.zeros_like(v)
+    for c0 in range(0, q.shape[0], CHUNK):
+        rows = slice(c0, c0 + CHUNK)
+        q_c, k_c, v_c, g_c, beta_c = (x[rows].transpose(0, 1) for x in (q, k, v, g, beta))
+        O, S = recurrence_step(prepare_chunk(q_c, k_c, g_c, beta_c, scale), v_c, S)
+        o[rows] = O.transpose(0, 1)
+    return o, S
 
 
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
