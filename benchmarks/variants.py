@@ -10,7 +10,8 @@ import torch
 import triton.testing
 
 import kda
-from kda import bench, validation
+from kda import bench
+from kda.api import checked_problem
 from kda.reference import relative_rms
 from kda.triton import chunk_forward
 
@@ -20,13 +21,6 @@ VARIANTS = {
     "fp16 ws, tf32 state dots": dict(workspace_dtype=torch.float16, mixed=False),
     "fp32 ws, tf32 state dots": dict(workspace_dtype=torch.float32, mixed=False),
 }
-
-
-def problem(tensors, kw):
-    args = dict(zip(("q", "k", "v", "g", "beta"), tensors))
-    args.update(kw, scale=None, return_intermediate_states=False, disable_recompute=False, allow_neg_eigval=False)
-    extra = {n: args.pop(n) for n in ("A_log", "dt_bias")}
-    return validation.check_chunk_kda(args, extra)
 
 
 def main():
@@ -40,7 +34,7 @@ def main():
     o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
     acc = {}
     for name, var in VARIANTS.items():
-        o, h = chunk_forward(problem(tensors, kw), **var)
+        o, h = chunk_forward(checked_problem(kda.chunk_kda, *tensors, **kw), **var)
         acc[name] = (relative_rms(o, o_ref), relative_rms(h, h_ref))
     for case in (bench.ANCHOR_CASES[0], bench.ANCHOR_CASES[4]):
         tensors, kw = bench.make_inputs(case)
@@ -50,7 +44,7 @@ def main():
             else float("nan")
         )
         for name, var in VARIANTS.items():
-            p = problem(tensors, kw)
+            p = checked_problem(kda.chunk_kda, *tensors, **kw)
             ms = triton.testing.do_bench(lambda: chunk_forward(p, **var), warmup=25, rep=100, return_mode="median")
             print(
                 f"| {name} | {case['name']} | {ms:.3f} | {ms / fla_ms:.3f} | {acc[name][0]:.2e} | {acc[name][1]:.2e} |",

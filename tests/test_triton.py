@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kda
 from helpers import DEVICE, assert_close_fp64, fp64_reference, make_case, rel
-from kda import validation
+from kda.api import checked_problem
 from kda.triton import chunk_forward
 
 ON_GPU = DEVICE == "cuda"
@@ -22,17 +22,6 @@ ON_GPU = DEVICE == "cuda"
 # where the same kernels measure about 3e-3 (benchmarks/results/).
 BAR = {torch.float32: 1e-4, torch.bfloat16: 5e-3 if ON_GPU else 2e-2, torch.float16: 5e-3 if ON_GPU else 2e-2}
 GATES = ("precomputed", "lower_bound", "softplus")
-
-
-def check_problem(case, **over):
-    kw = case.kwargs(**over)
-    args = dict(zip(("q", "k", "v", "g", "beta"), case.tensors()))
-    args.update(kw, scale=None, return_intermediate_states=False, disable_recompute=False)
-    for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval"):
-        args.setdefault(name, False)
-    args.setdefault("lower_bound", None)
-    extra = {n: args.pop(n) for n in ("A_log", "dt_bias") if n in args}
-    return validation.check_chunk_kda(args, extra)
 
 
 @given(
@@ -78,7 +67,7 @@ def guarded(shape, dtype, device, guard=4096):
 def test_poisoned_outputs_fully_written_and_nothing_outside(layout):
     case = make_case(seq_lens=[0, 17, 1, 33], H=2, HV=4, K=32, V=24, dtype=torch.bfloat16,
                      state_v_first=layout, device=DEVICE, seed=7)  # fmt: skip
-    p = check_problem(case)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     o_buf, o, og = guarded((1, p.T, p.HV, p.V), torch.bfloat16, DEVICE)
     state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
     h_buf, ht, hg = guarded(state_shape, torch.float32, DEVICE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kda import dispatch, validation
@@ -101,3 +103,16 @@ def fused_recurrent_kda(
     """
     problem = validation.check_fused_recurrent_kda(locals(), kwargs)
     return dispatch.select(problem, backend).run(problem)
+
+
+def checked_problem(fn, *args, **kwargs) -> validation.Problem:
+    """The checked :class:`~kda.validation.Problem` that ``fn(*args, **kwargs)`` would run
+    (``fn``: :func:`chunk_kda` or :func:`fused_recurrent_kda`), with fn's own defaults.
+    Lets tests and benchmarks call a backend's stages directly on a validated call."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    extra = arguments.pop("kwargs")
+    arguments.pop("backend")
+    check = validation.check_chunk_kda if fn is chunk_kda else validation.check_fused_recurrent_kda
+    return check(arguments, extra)
