@@ -4,17 +4,20 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/fla_core*.whl || exit 1
+# .whl carries fla-core 0.6.0 (the comparison) and pytest-xdist + execnet (tests in parallel:
+# Triton compiles on the CPU, 16 cores there).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
 # steps: all, or one of tests / compare / variants / bench; several: "tests bench"
 if [[ $step == all || $step == *bench* ]]; then
-  timeout 330 python3 -m kda bench --out "$OUT" > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 fi
 if [[ $step == all || $step == *tests* ]]; then
-  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x ${TESTS:-tests} -p no:cacheprovider -s > "$OUT/pytest-gpu.log" 2>&1
+  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} ${TESTS:-tests} -p no:cacheprovider --durations=15 > "$OUT/pytest-gpu.log" 2>&1
   grep -E "passed|failed|kda o|Error|assert" "$OUT/pytest-gpu.log" | head -20
 fi
 if [[ $step == all || $step == *compare* ]]; then

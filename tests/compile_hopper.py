@@ -15,7 +15,7 @@ POINTERS = {
 }
 
 
-def build(kernel, scalars: dict, consts: dict) -> None:
+def build(kernel, scalars: dict, consts: dict, num_warps: int = 4) -> None:
     while not isinstance(kernel, JITFunction):
         kernel = kernel.fn
     sig = {n: POINTERS.get(n, "*bf16") for n in kernel.arg_names}
@@ -24,7 +24,7 @@ def build(kernel, scalars: dict, consts: dict) -> None:
     compiled = compile(
         ASTSource(fn=kernel, signature=sig, constexprs=consts),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 4, "num_stages": 2},
+        options={"num_warps": num_warps, "num_stages": 2},
     )
     assert "mma" in compiled.asm["ptx"], "no tensor-core instruction in the PTX"
     print("compiled", kernel.__name__, consts)
@@ -33,14 +33,15 @@ def build(kernel, scalars: dict, consts: dict) -> None:
 for gate, l2 in itertools.product((0, 1, 2), (False, True)):
     build(
         prepare_chunks_kernel,
-        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32"},
-        dict(H=4, HV=8, K=100, BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=l2,
+        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32"},
+        dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=l2,
              BETA_SIGMOID=True, SAFE=gate == 1, DOT_PRECISION="tf32"),
     )  # fmt: skip
-for mixed in (False, True):
+for mixed, (BV, num_warps) in itertools.product((False, True), ((16, 1), (32, 2), (64, 4))):
     build(
         recurrence_v_split_kernel,
-        {"PARALLEL_BUCKET": "i32"},
-        dict(HV=8, K=100, V=100, BK=128, BV=32, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=mixed,
+        {"PARALLEL_BUCKET": "i32", "HV": "i32", "K": "i32", "V": "i32"},
+        dict(BK=128, BV=BV, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=mixed,
              MIXED=mixed, DOT_PRECISION="tf32", INTERPRET=False),
+        num_warps,
     )  # fmt: skip

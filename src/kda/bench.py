@@ -151,6 +151,15 @@ def accuracy_rows(calls: dict) -> list[dict]:
     return rows
 
 
+def triton_configs() -> dict:
+    """The autotuner's choice for the last shape each Triton kernel ran on (for the record)."""
+    from kda.triton.prepare import prepare_chunks_kernel
+    from kda.triton.recurrence import recurrence_v_split_kernel
+
+    kernels = {"prepare": prepare_chunks_kernel, "recurrence": recurrence_v_split_kernel}
+    return {name: str(getattr(kernel, "best_config", None)) for name, kernel in kernels.items()}
+
+
 def main(args) -> int:
     import triton.testing
 
@@ -176,8 +185,11 @@ def main(args) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{props.name.split()[-1].lower()}-{date}"
-    for case in ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES:
+    stem = f"{props.name.split()[-1].lower()}-{date}{args.tag}"
+    cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
+    if args.cases:
+        cases = [ANCHOR_CASES[int(i)] for i in args.cases.split(",")]
+    for case in cases:
         tensors, kw = make_inputs(case)
         row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
         for name, call in calls.items():
@@ -185,6 +197,7 @@ def main(args) -> int:
             row["ms"][name] = triton.testing.do_bench(
                 lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median"
             )
+        row["triton_configs"] = triton_configs()
         if "fla" in row["ms"]:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
             if case["name"] in FLASH_KDA_RATIO:

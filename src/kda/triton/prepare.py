@@ -56,7 +56,8 @@ def prepare_chunks_kernel(
     seq_offsets, chunk_offsets, chunk_seq,
     q_decayed, w, k_restored, gamma, inverse_beta, M,
     scale, lower_bound, beta_scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    H, HV, K,  # runtime: one compiled kernel serves every head count and head size up to BK
+    BK: tl.constexpr,
     GATE: tl.constexpr,  # 0: g is the log-decay; 1: lower-bound gate; 2: softplus gate
     HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
@@ -172,7 +173,7 @@ def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) 
         tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        H=p.H, HV=HV, K=p.K, BK=BK,
+        p.H, HV, p.K, BK=BK,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid,
         SAFE=gate == 1 and p.lower_bound >= -5.0,

@@ -1,13 +1,20 @@
 """Stage 2 of the chunk-16 forward: the recurrence, sequential over the chunks of a sequence.
 
-One program per (V slice, sequence, value head). Columns of the KV state (rows of the VK
+One program per (V slice, sequence, value head). Rows of the VK state (columns of the KV
 state) evolve independently, so splitting V across programs multiplies the parallelism of
-a long sequence without any exchange between programs. The state slice ``S [K, BV]`` stays
-in float32 registers for the whole sequence. Per chunk (``reference.recurrence_step``):
+a long sequence without any exchange between programs. The kernel works on the transposed
+form (``reference.recurrence_step`` with every product transposed), the state slice
+``S^T [BV, K]`` in float32 registers for the whole sequence:
 
-    U      = inverse_beta @ V - w @ S          (the new values; the first product is off the serial path)
-    O      = q_decayed @ S + M @ U
-    S_next = gamma * S + k_restored^T @ U
+    U^T      = V^T inverse_beta^T - S^T w^T        (the first product is off the serial path)
+    O^T      = S^T q_decayed^T + U^T M^T
+    S^T_next = S^T Diag(gamma) + U^T k_restored
+
+Why transposed: the state and U are then the *left* operand of every product that reads
+them. A tensor-core accumulator already sits in the registers the left operand of the next
+MMA needs, so the chain S -> U -> S never leaves registers; as the right operand (the
+untransposed form) each step paid two shared-memory round trips on the serial path. The
+right operands are all workspace tiles, loaded (transposed where needed) off that path.
 """
 
 from __future__ import annotations
@@ -37,9 +44,21 @@ def _mm(a, b, MIXED: tl.constexpr, OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: t
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
 
 
+STATE_REGISTERS_MAX = 128  # float32 state values per thread; past this ptxas spills and crawls
+
+
+def _fits_in_registers(configs, named_args, **kwargs):
+    """Drop configs whose state slice ``[BV, BK]`` needs more than STATE_REGISTERS_MAX
+    registers per thread (BV = 64 on one warp spills, and compiles for minutes)."""
+    BK = kwargs.get("BK", named_args.get("BK"))
+    kept = [c for c in configs if c.kwargs["BV"] * BK <= STATE_REGISTERS_MAX * 32 * c.num_warps]
+    return kept or configs[:1]
+
+
 @triton.autotune(
-    configs=autotune_configs([{"BV": 32}, {"BV": 16}, {"BV": 64}], warps=(4, 2), stages=(2, 1)),
-    key=["K", "V", "BK", "MIXED", "PARALLEL_BUCKET"],
+    configs=autotune_configs([{"BV": 16}, {"BV": 32}, {"BV": 64}], warps=(1, 2, 4), stages=(2, 3)),
+    key=["V", "BK", "MIXED", "PARALLEL_BUCKET"],
+    prune_configs_by={"early_config_prune": _fits_in_registers},
 )
 @triton.jit
 def recurrence_v_split_kernel(
@@ -47,7 +66,8 @@ def recurrence_v_split_kernel(
     q_decayed, w, k_restored, gamma, inverse_beta, M,
     seq_offsets, chunk_offsets,
     PARALLEL_BUCKET,  # autotune key only: how many (sequence, head) pairs, coarsely
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HV, K, V,  # runtime: one compiled kernel serves every head count and head size up to BK
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -63,42 +83,44 @@ def recurrence_v_split_kernel(
     rows_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     v_ok = cols_v < V
-    state_mask = (rows_k[:, None] < K) & v_ok[None, :]
+    state_mask = v_ok[:, None] & (rows_k[None, :] < K)
     if STATE_V_FIRST:  # [N, HV, V, K]
-        state_tile = i_nh * K * V + cols_v[None, :] * K + rows_k[:, None]
+        state_tile = i_nh * K * V + cols_v[:, None] * K + rows_k[None, :]
     else:  # [N, HV, K, V]
-        state_tile = i_nh * K * V + rows_k[:, None] * V + cols_v[None, :]
+        state_tile = i_nh * K * V + rows_k[None, :] * V + cols_v[:, None]
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
+    St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:
-        S += tl.load(h0 + state_tile, mask=state_mask, other=0.0).to(tl.float32)
+        St += tl.load(h0 + state_tile, mask=state_mask, other=0.0).to(tl.float32)
 
     operand_dtype = q_decayed.dtype.element_ty
     for c in tl.range(c_first, c_end):
         tok = bos + (c - c_first) * ROWS + rows
-        io_mask = (tok < eos)[:, None] & v_ok[None, :]
-        io_tile = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
-        tile = (c * HV + i_hv) * ROWS * BK + rows[:, None] * BK + rows_k[None, :]
-        square = (c * HV + i_hv) * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
+        io_mask = v_ok[:, None] & (tok < eos)[None, :]
+        io_tile_t = (tok[None, :] * HV + i_hv) * V + cols_v[:, None]  # [BV, 16] view of [16, V]
+        base = (c * HV + i_hv) * ROWS * BK
+        tile = base + rows[:, None] * BK + rows_k[None, :]  # [16, BK]
+        tile_t = base + rows[None, :] * BK + rows_k[:, None]  # [BK, 16]
+        square_t = (c * HV + i_hv) * ROWS * ROWS + rows[None, :] * ROWS + rows[:, None]
 
-        b_v = tl.load(v + io_tile, mask=io_mask, other=0.0)
-        b_qd = tl.load(q_decayed + tile)
-        b_w = tl.load(w + tile)
+        b_vt = tl.load(v + io_tile_t, mask=io_mask, other=0.0)
+        b_qdt = tl.load(q_decayed + tile_t)
+        b_wt = tl.load(w + tile_t)
         b_kr = tl.load(k_restored + tile)
-        b_ib = tl.load(inverse_beta + square)
-        b_M = tl.load(M + square)
+        b_ibt = tl.load(inverse_beta + square_t)
+        b_Mt = tl.load(M + square_t)
         b_gamma = tl.load(gamma + (c * HV + i_hv) * BK + rows_k)
 
-        U = tl.dot(b_ib, b_v.to(tl.float32), input_precision=DOT_PRECISION)
-        U -= _mm(b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        b_o = _mm(b_qd, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET) + _mm(
-            b_M, U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        Ut = tl.dot(b_vt.to(tl.float32), b_ibt, input_precision=DOT_PRECISION)
+        Ut -= _mm(St, b_wt, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        b_ot = _mm(St, b_qdt, MIXED, operand_dtype, DOT_PRECISION, INTERPRET) + _mm(
+            Ut, b_Mt, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
         )
-        S = b_gamma[:, None] * S + _mm(tl.trans(b_kr), U, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        tl.store(o + io_tile, b_o.to(o.dtype.element_ty), mask=io_mask)
+        St = St * b_gamma[None, :] + _mm(Ut, b_kr, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        tl.store(o + io_tile_t, b_ot.to(o.dtype.element_ty), mask=io_mask)
 
     if STORE_HT:
-        tl.store(ht + state_tile, S, mask=state_mask)
+        tl.store(ht + state_tile, St, mask=state_mask)
 
 
 def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, ht: torch.Tensor | None,
@@ -111,7 +133,7 @@ def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, 
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         tables.seq_offsets, tables.chunk_offsets,
         min(triton.next_power_of_2(N * HV), 1024),
-        HV=HV, K=p.K, V=p.V, BK=tables.BK,
+        HV, p.K, p.V, BK=tables.BK,
         HAS_H0=p.initial_state is not None, STORE_HT=ht is not None, STATE_V_FIRST=p.state_v_first,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(),
     )  # fmt: skip
