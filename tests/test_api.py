@@ -1,6 +1,7 @@
 """Backend reporting, dispatch decisions and their log lines, the CLI."""
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,9 @@ import kda
 from helpers import make_case
 from kda import dispatch
 
+# Why the cuda backend is off on a machine without a GPU, depending on what was installed.
+NO_CUDA_HERE = "not built|cuda-bindings is not installed|no CUDA GPU"
+
 
 def test_backends_report_every_backend_with_reason():
     infos = {b.name: b for b in kda.backends()}
@@ -19,12 +23,13 @@ def test_backends_report_every_backend_with_reason():
     for b in infos.values():
         assert b.reason, f"{b.name} gives no reason"
     if not torch.cuda.is_available():
-        assert not infos["cuda"].available and "not built" in infos["cuda"].reason
+        assert not infos["cuda"].available
+        assert re.search(NO_CUDA_HERE, infos["cuda"].reason), infos["cuda"].reason
 
 
 def test_explicit_unavailable_backend_says_why():
     case = make_case(T=8, H=1, K=16, V=16, seed=0)
-    with pytest.raises(kda.BackendUnavailableError, match="cuda.*not built"):
+    with pytest.raises(kda.BackendUnavailableError, match="cuda.*(" + NO_CUDA_HERE + ")"):
         kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
 
 

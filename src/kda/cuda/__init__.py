@@ -1,27 +1,96 @@
-"""The ``cuda`` backend: hand-written Hopper kernels loaded through cuda-python.
+"""The ``cuda`` backend: the Hopper kernels of ``prepare.cu`` (K1) and ``recurrence.cu``
+(K2), built by ``CMakeLists.txt`` with nvcc and loaded through cuda-python
+(:mod:`kda.cuda.loader`).
 
-The kernels are not part of this release: the backend reports itself unavailable, with the
-reason, and ``backend="auto"`` falls through to Triton.
+It covers bf16 inputs with K = V = 128, H = HV, the lower-bound gate or a precomputed g,
+varlen and batched, fp32 states in either layout, on sm_90 GPUs. Anything else is
+refused with the reason and ``backend="auto"`` moves on to Triton.
+
+``KDA_CUDA=0`` turns the backend off. The kernels of this release have been compiled but
+not yet run on a GPU (``benchmarks/NOTES.md``); until a GPU run has verified them they
+stay off unless ``KDA_CUDA=1`` asks for them.
 """
 
 from __future__ import annotations
 
+import os
+from functools import cache
+
 import torch
 
 from kda.validation import Problem
+
+VERIFIED_ON_GPU = False  # flipped by the session whose GPU run passes tests/test_cuda.py
+ALIGNMENT = 16  # bytes: 16-byte vector loads and cp.async of q, k, v
+
+
+@cache
+def _static_availability() -> str | None:
+    from kda.cuda import loader
+
+    folder = loader.artefact_dir()
+    if folder is None:
+        return (
+            "CUDA kernels not built: no prepare.fatbin / recurrence.fatbin beside kda/cuda "
+            "(pip install . with nvcc and the nvidia-cutlass headers present builds them)"
+        )
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings is not installed (pip install 'kda[cuda]')"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"the kernels are built for sm_90a (Hopper); {torch.cuda.get_device_name()} is sm_{major}{minor}"
+    try:
+        loader.kernels()
+    except Exception as error:  # a missing driver library, a bad image: say which, fall back
+        return f"loading the CUDA kernels failed: {error}"
+    return None
 
 
 class CudaBackend:
     name = "cuda"
 
     def availability(self) -> str | None:
-        return "CUDA kernels not built: this release ships no compiled kernel artefact"
+        switch = os.environ.get("KDA_CUDA", "")
+        if switch == "0":
+            return "turned off by KDA_CUDA=0"
+        reason = _static_availability()
+        if reason is None and not VERIFIED_ON_GPU and switch != "1":
+            return "kernels built but not yet verified on a GPU in this release; set KDA_CUDA=1 to use them"
+        return reason
 
-    def rejects(self, problem: Problem) -> str | None:
-        return "CUDA kernels not built"
+    def rejects(self, p: Problem) -> str | None:
+        """The first feature of ``p`` the kernels do not cover, or None. Features first,
+        then where the tensors live (so the reasons read the same on any machine)."""
+        if p.q.dtype != torch.bfloat16:
+            return f"dtype {p.q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
+        if p.K != 128 or p.V != 128:
+            return f"head dims K={p.K}, V={p.V} (the CUDA kernels take K = V = 128)"
+        if p.HV != p.H:
+            return f"grouped value heads HV={p.HV} != H={p.H}"
+        if p.gate_form == "softplus":
+            return "the softplus gate (unbounded; the CUDA kernels take the lower-bound gate or a precomputed g)"
+        for name in ("g", "beta"):
+            if getattr(p, name).dtype not in (torch.bfloat16, torch.float32):
+                return f"`{name}` in {getattr(p, name).dtype} (the CUDA kernels read bfloat16 or float32)"
+        if p.requires_grad:
+            return "inputs require grad and there is no CUDA backward (use backend='torch')"
+        if p.q.device.type != "cuda":
+            return f"tensors on {p.q.device} (needs CUDA tensors)"
+        if torch.cuda.get_device_capability(p.q.device) != (9, 0):
+            return f"tensors on {torch.cuda.get_device_name(p.q.device)}, not an sm_90 GPU"
+        for name in ("q", "k", "v"):
+            if getattr(p, name).data_ptr() % ALIGNMENT:
+                return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
+        return None
 
-    def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise RuntimeError("the cuda backend is not available")
+    def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from kda.cuda.forward import chunk_forward
+
+        return chunk_forward(p)
 
 
 BACKEND = CudaBackend()

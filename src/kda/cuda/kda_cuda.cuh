@@ -1,0 +1,120 @@
+// Shared definitions of the two Hopper kernels (prepare.cu, recurrence.cu): the parameter
+// block both take, the per-(chunk, head) workspace layout between them, and the warp-level
+// tensor-core and copy helpers, which are CuTe's SM80/SM75 atoms (mma.sync, ldmatrix, cp.async).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+namespace kda {
+
+constexpr int kChunk = 16;      // tokens per chunk
+constexpr int kHeadDim = 128;   // K = V = 128 on this path (others go to Triton)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kExp2Limit = 116.0f;  // 2^116 * |k| stays far below the float32 maximum
+constexpr float kL2normEps = 1e-6f;
+
+// Flag bits of Params::flags.
+enum : int64_t {
+  kGateLowerBound = 1 << 0,  // g holds raw gate activations: g = lb * sigmoid(exp(A_log) (g + dt_bias))
+  kHasALog = 1 << 1,
+  kHasDtBias = 1 << 2,
+  kL2norm = 1 << 3,
+  kBetaSigmoid = 1 << 4,
+  kHasH0 = 1 << 5,
+  kStoreHt = 1 << 6,
+  kStateVFirst = 1 << 7,  // states are [N, HV, V, K] (VK); otherwise [N, HV, K, V]
+  kGFloat32 = 1 << 8,     // g is float32 (else bfloat16)
+  kBetaFloat32 = 1 << 9,  // beta is float32 (else bfloat16)
+};
+
+// One parameter block for both kernels, passed by value. Every field is 8 bytes so that
+// the Python side (kda/cuda/loader.py, ctypes) mirrors it without padding rules; the
+// static_assert below and the loader's check keep the two in step.
+struct Params {
+  const __nv_bfloat16* q;  // [T_total, H, 128]
+  const __nv_bfloat16* k;  // [T_total, H, 128]
+  const __nv_bfloat16* v;  // [T_total, H, 128]
+  const void* g;           // [T_total, H, 128], bf16 or fp32
+  const void* beta;        // [T_total, H], bf16 or fp32
+  const float* A_log;      // [H]
+  const float* dt_bias;    // [H, 128]
+  const float* h0;         // [N, H, 128, 128] fp32
+  float* ht;               // [N, H, 128, 128] fp32
+  __nv_bfloat16* o;        // [T_total, H, 128]
+  unsigned char* workspace;       // [num_chunks, H, kWorkspaceBytes]
+  const int64_t* seq_offsets;     // [N + 1] token offsets
+  const int64_t* chunk_offsets;   // [N + 1] first global chunk of each sequence
+  const int64_t* chunk_seq;       // [num_chunks] sequence of each chunk
+  const int64_t* seq_order;       // [N * H] (sequence, head) pairs, longest sequence first
+  int64_t num_chunks;
+  int64_t num_seqs;
+  int64_t heads;
+  int64_t flags;
+  double scale;
+  double lower_bound;
+  double beta_scale;  // 1, or 2 with allow_neg_eigval
+};
+constexpr int kParamsFields = 22;
+static_assert(sizeof(Params) == 8 * kParamsFields, "Params must be 8-byte fields only (mirrored in loader.py)");
+
+// Workspace of one (chunk, head), written by prepare and read once by the recurrence.
+// The [16, 128] tiles are row-major by token; the recurrence swizzles them on the way
+// into shared memory.
+struct WorkspaceLayout {
+  static constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16, 128] tile
+  static constexpr int kSquareBytes = kChunk * kChunk * 2;  // one bf16 [16, 16] matrix
+  static constexpr int q_decayed = 0;                       // scale * q * exp(G)
+  static constexpr int w = q_decayed + kTileBytes;          // (I + A)^-1 Diag(beta) K~
+  static constexpr int k_restored = w + kTileBytes;         // k * exp(G_16 - G)
+  static constexpr int inverse_beta_hi = k_restored + kTileBytes;  // (I + A)^-1 Diag(beta), bf16 part
+  static constexpr int inverse_beta_lo = inverse_beta_hi + kSquareBytes;  // and the bf16 remainder
+  static constexpr int M = inverse_beta_lo + kSquareBytes;  // causal q.k scores with decay
+  static constexpr int gamma = M + kSquareBytes;            // exp(G_16), float32 [128]
+  static constexpr int bytes = gamma + kHeadDim * 4;
+};
+constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;
+static_assert(kWorkspaceBytes % 16 == 0, "workspace rows are copied in 16-byte pieces");
+
+// ---- warp-level helpers ---------------------------------------------------------------
+
+// D = A B + C on one m16n8k16 tile, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
+                                            d[2], d[3]);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two accumulator tiles (columns 8j..8j+7 and 8j+8..8j+15 of a 16-row block) are, element
+// for element, the left operand of the next MMA over those 16 columns: no data movement.
+__device__ __forceinline__ void accumulators_to_operand(uint32_t (&a)[4], const float (&c0)[4],
+                                                        const float (&c1)[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
+}
+
+// 16-byte global -> shared copy; zero-fills the destination when !valid.
+__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem, bool valid) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+      *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem), valid);
+}
+
+}  // namespace kda

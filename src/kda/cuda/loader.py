@@ -1,0 +1,146 @@
+"""Find, load and launch the built Hopper kernels through cuda-python (cuda-bindings).
+
+The build (``CMakeLists.txt``) leaves ``prepare.fatbin`` and ``recurrence.fatbin`` beside
+this file. They are loaded once per process as context-independent libraries
+(``cuLibraryLoadData``), so one load serves every GPU, and launched with ``cuLaunchKernel``
+on torch's current stream. Both kernels take one by-value :class:`Params` block; its bytes
+live in a ctypes structure filled in place, and the launch passes the address of a
+prebuilt one-entry pointer array, so no per-call argument packing happens in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from functools import cache
+from pathlib import Path
+
+ARTEFACTS = ("prepare.fatbin", "recurrence.fatbin")
+WORKSPACE_BYTES = 14336  # kda_cuda.cuh: WorkspaceLayout::bytes, per (chunk, head)
+STAGES = 3  # recurrence.cu: kStages
+PREPARE_THREADS = 256  # prepare.cu: kThreads
+HEAD_DIM = 128
+
+FLAGS = {  # kda_cuda.cuh: the Params::flags bits
+    "gate_lower_bound": 1 << 0,
+    "has_A_log": 1 << 1,
+    "has_dt_bias": 1 << 2,
+    "l2norm": 1 << 3,
+    "beta_sigmoid": 1 << 4,
+    "has_h0": 1 << 5,
+    "store_ht": 1 << 6,
+    "state_v_first": 1 << 7,
+    "g_float32": 1 << 8,
+    "beta_float32": 1 << 9,
+}
+
+
+POINTER_FIELDS = "q k v g beta A_log dt_bias h0 ht o workspace seq_offsets chunk_offsets chunk_seq seq_order"
+
+
+class Params(ctypes.Structure):
+    """Mirror of ``kda::Params`` (kda_cuda.cuh): 22 fields of 8 bytes, in order."""
+
+    _fields_ = [
+        *((name, ctypes.c_uint64) for name in POINTER_FIELDS.split()),
+        *((name, ctypes.c_int64) for name in ("num_chunks", "num_seqs", "heads", "flags")),
+        *((name, ctypes.c_double) for name in ("scale", "lower_bound", "beta_scale")),
+    ]
+
+
+assert ctypes.sizeof(Params) == 8 * 22, "Params must match kda::Params (kParamsFields = 22)"
+
+
+def stage_bytes(warps: int) -> int:
+    """Dynamic shared memory of the recurrence: kStages x (workspace + [16, 16 * warps] v tile)."""
+    return STAGES * (WORKSPACE_BYTES + 16 * 16 * warps * 2)
+
+
+def artefact_dir() -> Path | None:
+    """Where the built kernels are: ``KDA_CUDA_KERNELS_DIR``, this package's folder, or a
+    ``kda/cuda`` folder on ``sys.path`` (an editable install keeps its built files in
+    site-packages while the Python sources stay in the checkout)."""
+    candidates = []
+    if os.environ.get("KDA_CUDA_KERNELS_DIR"):
+        candidates.append(Path(os.environ["KDA_CUDA_KERNELS_DIR"]))
+    candidates.append(Path(__file__).parent)
+    candidates += [Path(entry) / "kda" / "cuda" for entry in sys.path if entry]
+    for folder in candidates:
+        if all((folder / name).is_file() for name in ARTEFACTS):
+            return folder
+    return None
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message carries the driver's own text."""
+
+
+def check(result, what: str):
+    """Unpack a cuda-bindings ``(CUresult, *values)`` tuple, raising on failure."""
+    from cuda.bindings import driver
+
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorString(err)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        raise CudaError(f"{what} failed: {err.name}: {text}")
+    return values[0] if len(values) == 1 else values
+
+
+class Kernels:
+    """The loaded kernels and the reusable launch state."""
+
+    def __init__(self, folder: Path):
+        from cuda.bindings import driver
+
+        self.driver = driver
+        check(driver.cuInit(0), "cuInit")
+        self.libraries = []
+        self.kernels = {}
+        entry_points = {
+            "prepare.fatbin": ("kda_prepare",),
+            "recurrence.fatbin": tuple(f"kda_recurrence_w{warps}" for warps in (1, 2, 4)),
+        }
+        for artefact, names in entry_points.items():
+            image = (folder / artefact).read_bytes()
+            library = check(driver.cuLibraryLoadData(image, None, None, 0, None, None, 0), f"loading {artefact}")
+            self.libraries.append(library)
+            for name in names:
+                self.kernels[name] = check(driver.cuLibraryGetKernel(library, name.encode()), f"finding {name}")
+        self.params = Params()
+        self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.configured_devices: set[int] = set()
+        self.lock = threading.Lock()
+
+    def configure(self, device_index: int) -> None:
+        """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB)."""
+        if device_index in self.configured_devices:
+            return
+        driver = self.driver
+        device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for warps in (1, 2, 4):
+            kernel = self.kernels[f"kda_recurrence_w{warps}"]
+            check(driver.cuKernelSetAttribute(attribute, stage_bytes(warps), kernel, device), "cuKernelSetAttribute")
+        self.configured_devices.add(device_index)
+
+    def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
+        """Launch ``name`` with the current contents of :attr:`params` (the driver copies
+        them at launch, so the block may be refilled for the next launch at once)."""
+        check(
+            self.driver.cuLaunchKernel(
+                self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem,
+                stream, ctypes.addressof(self.argument_array), 0,
+            ),
+            f"launching {name}",
+        )  # fmt: skip
+
+
+@cache
+def kernels() -> Kernels:
+    folder = artefact_dir()
+    if folder is None:
+        raise CudaError("the CUDA kernels are not built")
+    return Kernels(folder)

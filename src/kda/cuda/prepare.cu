@@ -1,0 +1,232 @@
+// K1, prepare: token-parallel, one CTA of 256 threads per (chunk, head).
+//
+// For its 16 tokens the CTA activates the inputs (gate, l2norm, beta sigmoid), takes the
+// chunk-local cumulative log-decay G (base 2, anchored at the chunk start so no row depends
+// on a later one), and writes the workspace of kda_cuda.cuh (kda-spec.md section 2;
+// reference.prepare_chunk is the same computation in torch). A, M and the inverse are
+// small (16 x 16 x 128) and computed in float32 on the CUDA cores: one thread per (i, j).
+//
+// Exponents: A and M need exp(G_i - G_j), j <= i. The fast form factors it as
+// (k_i exp(G_i)) . (k_j exp(-G_j)); exp(-G_j) overflows once -G passes 2^116, which the
+// lower-bound gate (lb >= -5: |G| <= 80 / ln 2 over 16 tokens) never reaches but a
+// precomputed g may. A chunk that passes it takes the pairwise form, exact at any depth.
+#include "kda_cuda.cuh"
+
+namespace kda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPad = kHeadDim + 1;  // row stride of the [16, 128] float tiles: column reads hit 16 banks
+constexpr int kColsPerThread = 8;   // a thread owns 8 consecutive channels of one row
+
+__device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
+  return is_f32 ? static_cast<const float*>(base)[index]
+                : __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
+}
+
+__device__ __forceinline__ void load_bf16x8(float (&x)[kColsPerThread], const __nv_bfloat16* src, bool valid) {
+  if (!valid) {
+    for (int c = 0; c < kColsPerThread; ++c) x[c] = 0.f;
+    return;
+  }
+  uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+  for (int c = 0; c < kColsPerThread; ++c) x[c] = __bfloat162float(h[c]);
+}
+
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&x)[kColsPerThread]) {
+  uint4 raw;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
+  for (int c = 0; c < kColsPerThread / 2; ++c) words[c] = pack_bf16(x[2 * c], x[2 * c + 1]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+// Sum over the 16 threads of one row (consecutive lanes of a half warp).
+__device__ __forceinline__ float row_sum(float x) {
+  for (int offset = 8; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Element (i, j) of (I + s X)(I + t Y) for 16 x 16 X, Y in shared memory.
+__device__ __forceinline__ float unit_product(const float (*X)[kChunk + 1], float s, const float (*Y)[kChunk + 1],
+                                              float t, int i, int j) {
+  float acc = 0.f;
+  for (int l = 0; l < kChunk; ++l) {
+    float x = s * X[i][l] + (l == i ? 1.f : 0.f);
+    float y = t * Y[l][j] + (l == j ? 1.f : 0.f);
+    acc = fmaf(x, y, acc);
+  }
+  return acc;
+}
+
+// Element (i, j) of X (I + Y).
+__device__ __forceinline__ float times_unit(const float (*X)[kChunk + 1], const float (*Y)[kChunk + 1], int i,
+                                            int j) {
+  float acc = X[i][j];
+  for (int l = 0; l < kChunk; ++l) acc = fmaf(X[i][l], Y[l][j], acc);
+  return acc;
+}
+
+__device__ __forceinline__ float plain_product(const float (*X)[kChunk + 1], const float (*Y)[kChunk + 1], int i,
+                                               int j) {
+  float acc = 0.f;
+  for (int l = 0; l < kChunk; ++l) acc = fmaf(X[i][l], Y[l][j], acc);
+  return acc;
+}
+
+struct PrepareShared {
+  float q[kChunk][kPad];     // q (normalised), then scale * q * exp(G) on the factored path
+  float k[kChunk][kPad];     // k (normalised), then k * exp(G) on the factored path
+  float kinv[kChunk][kPad];  // k * exp(-G), factored path only
+  float G[kChunk][kPad];     // cumulative log2-decay
+  float beta[kChunk];
+  float A[kChunk][kChunk + 1];
+  float P[kChunk][kChunk + 1];  // powers and partial products of the inverse
+  float Q[kChunk][kChunk + 1];
+  float R[kChunk][kChunk + 1];
+};
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params p) {
+  __shared__ PrepareShared s;
+  using WS = WorkspaceLayout;
+  const int64_t c = blockIdx.x;
+  const int64_t h = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int row = tid / (kHeadDim / kColsPerThread);
+  const int col0 = (tid % (kHeadDim / kColsPerThread)) * kColsPerThread;
+
+  const int64_t n = p.chunk_seq[c];
+  const int64_t eos = p.seq_offsets[n + 1];
+  const int64_t tok = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk + row;
+  const bool valid = tok < eos;
+  const int64_t in_row = (tok * p.heads + h) * kHeadDim + col0;  // 64-bit: T * H * 128 can pass 2^31
+
+  // Inputs. Rows past the sequence end add no decay and write nothing: g = 0, beta = 0.
+  float q[kColsPerThread], k[kColsPerThread], g[kColsPerThread];
+  load_bf16x8(q, p.q + (valid ? in_row : 0), valid);
+  load_bf16x8(k, p.k + (valid ? in_row : 0), valid);
+  const bool g_f32 = p.flags & kGFloat32;
+  for (int i = 0; i < kColsPerThread; ++i) g[i] = valid ? load_as_float(p.g, in_row + i, g_f32) : 0.f;
+  if (p.flags & kGateLowerBound) {
+    const float a = (p.flags & kHasALog) ? expf(p.A_log[h]) : 1.f;
+    for (int i = 0; i < kColsPerThread; ++i) {
+      float x = g[i] + ((p.flags & kHasDtBias) ? p.dt_bias[h * kHeadDim + col0 + i] : 0.f);
+      g[i] = valid ? static_cast<float>(p.lower_bound) / (1.f + expf(-a * x)) : 0.f;
+    }
+  }
+  if (p.flags & kL2norm) {
+    float sq = 0.f, sk = 0.f;
+    for (int i = 0; i < kColsPerThread; ++i) {
+      sq = fmaf(q[i], q[i], sq);
+      sk = fmaf(k[i], k[i], sk);
+    }
+    const float rq = rsqrtf(row_sum(sq) + kL2normEps), rk = rsqrtf(row_sum(sk) + kL2normEps);
+    for (int i = 0; i < kColsPerThread; ++i) {
+      q[i] *= rq;
+      k[i] *= rk;
+    }
+  }
+  if (col0 == 0) {
+    float b = valid ? load_as_float(p.beta, tok * p.heads + h, p.flags & kBetaFloat32) : 0.f;
+    if (p.flags & kBetaSigmoid) b = valid ? static_cast<float>(p.beta_scale) / (1.f + expf(-b)) : 0.f;
+    s.beta[row] = b;
+  }
+  for (int i = 0; i < kColsPerThread; ++i) s.G[row][col0 + i] = g[i] * kLog2e;
+  __syncthreads();
+
+  // Cumulative log2-decay along the 16 rows, one channel per thread.
+  if (tid < kHeadDim) {
+    float acc = 0.f;
+    for (int r = 0; r < kChunk; ++r) {
+      acc += s.G[r][tid];
+      s.G[r][tid] = acc;
+    }
+  }
+  __syncthreads();
+
+  // Decayed operands. Every exponent is <= 0 except -G for k exp(-G).
+  const float scale = static_cast<float>(p.scale);
+  float G[kColsPerThread], qd[kColsPerThread], kd[kColsPerThread], kr[kColsPerThread];
+  bool far = false;
+  for (int i = 0; i < kColsPerThread; ++i) {
+    G[i] = s.G[row][col0 + i];
+    const float decay = exp2f(G[i]);
+    qd[i] = scale * q[i] * decay;
+    kd[i] = k[i] * decay;
+    kr[i] = k[i] * exp2f(s.G[kChunk - 1][col0 + i] - G[i]);
+    far |= G[i] < -kExp2Limit;
+  }
+  unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
+  store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::q_decayed) + row * kHeadDim + col0, qd);
+  store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::k_restored) + row * kHeadDim + col0, kr);
+  if (tid < kHeadDim) reinterpret_cast<float*>(ws + WS::gamma)[tid] = exp2f(s.G[kChunk - 1][tid]);
+  far = __syncthreads_or(far);
+  for (int i = 0; i < kColsPerThread; ++i) {
+    if (far) {  // keep q, k: the pairwise form below needs them
+      s.q[row][col0 + i] = q[i];
+      s.k[row][col0 + i] = k[i];
+    } else {
+      s.q[row][col0 + i] = qd[i];
+      s.k[row][col0 + i] = kd[i];
+      s.kinv[row][col0 + i] = k[i] * exp2f(-G[i]);
+    }
+  }
+  __syncthreads();
+
+  // A (strictly lower, times beta_i) and M (lower incl. diagonal), one thread per (i, j).
+  const int i = tid / kChunk, j = tid % kChunk;
+  float a = 0.f, m = 0.f;
+  if (j <= i) {
+    if (!far) {
+      for (int d = 0; d < kHeadDim; ++d) {
+        a = fmaf(s.k[i][d], s.kinv[j][d], a);
+        m = fmaf(s.q[i][d], s.kinv[j][d], m);
+      }
+    } else {
+      for (int d = 0; d < kHeadDim; ++d) {
+        const float kj = s.k[j][d] * exp2f(fminf(s.G[i][d] - s.G[j][d], 0.f));
+        a = fmaf(s.k[i][d], kj, a);
+        m = fmaf(s.q[i][d], kj, m);
+      }
+      m *= scale;
+    }
+  }
+  s.A[i][j] = j < i ? a * s.beta[i] : 0.f;
+  reinterpret_cast<__nv_bfloat16*>(ws + WS::M)[i * kChunk + j] = __float2bfloat16_rn(m);
+  __syncthreads();
+
+  // (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): A is strictly lower, so A^16 = 0.
+  s.P[i][j] = plain_product(s.A, s.A, i, j);  // A^2
+  __syncthreads();
+  s.Q[i][j] = plain_product(s.P, s.P, i, j);            // A^4
+  s.R[i][j] = unit_product(s.A, -1.f, s.P, 1.f, i, j);  // (I - A)(I + A^2)
+  __syncthreads();
+  s.P[i][j] = plain_product(s.Q, s.Q, i, j);  // A^8
+  s.A[i][j] = times_unit(s.R, s.Q, i, j);     // (I - A)(I + A^2)(I + A^4)
+  __syncthreads();
+  const float inv = times_unit(s.A, s.P, i, j);
+  __syncthreads();
+  const float ib = inv * s.beta[j];  // (I + A)^-1 Diag(beta)
+  s.R[i][j] = ib;
+  const __nv_bfloat16 ib_hi = __float2bfloat16_rn(ib);
+  reinterpret_cast<__nv_bfloat16*>(ws + WS::inverse_beta_hi)[i * kChunk + j] = ib_hi;
+  reinterpret_cast<__nv_bfloat16*>(ws + WS::inverse_beta_lo)[i * kChunk + j] =
+      __float2bfloat16_rn(ib - __bfloat162float(ib_hi));
+  __syncthreads();
+
+  // w = (I + A)^-1 Diag(beta) K~, K~ = k exp(G).
+  float w[kColsPerThread];
+  for (int x = 0; x < kColsPerThread; ++x) {
+    float acc = 0.f;
+    for (int l = 0; l < kChunk; ++l) {
+      const float kd_l = far ? s.k[l][col0 + x] * exp2f(s.G[l][col0 + x]) : s.k[l][col0 + x];
+      acc = fmaf(s.R[row][l], kd_l, acc);
+    }
+    w[x] = acc;
+  }
+  store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::w) + row * kHeadDim + col0, w);
+}
+
+}  // namespace kda

@@ -1,0 +1,213 @@
+"""The CUDA backend. On any machine: the build produced the kernels where nvcc exists, the
+Python mirror of the kernels' parameter block matches the header, and unsupported calls are
+refused with the feature named. On a Hopper GPU (``gpu`` marker): CUDA against the fp64
+reference and against Triton, full writes, no stray writes, strict causality, the fast path
+really running, CUDA-graph capture."""
+
+import os
+import re
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kda
+from helpers import assert_close_fp64, fp64_reference, make_case, rel
+from kda.api import checked_problem
+from kda.cuda import BACKEND, loader
+from kda.cuda.forward import longest_first, recurrence_warps
+
+SOURCES = Path(loader.__file__).parent
+HEADER = (SOURCES / "kda_cuda.cuh").read_text()
+
+
+def test_kernels_built_where_nvcc_exists():
+    """`pip install` with nvcc present must leave both fatbins where the loader looks; a
+    build that silently skipped them would send every call to Triton."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH: the install skips the CUDA build by design")
+    assert loader.artefact_dir() is not None, f"nvcc exists but no {loader.ARTEFACTS} were installed"
+
+
+def test_params_mirror_matches_the_header():
+    body = HEADER[HEADER.index("struct Params {") : HEADER.index("};", HEADER.index("struct Params {"))]
+    names = re.findall(r"^\s+[\w\s\*]+?\b(\w+);", body, flags=re.M)
+    assert names == [name for name, _ in loader.Params._fields_]
+    assert f"kParamsFields = {len(names)}" in HEADER
+    flags = dict(re.findall(r"k(\w+) = 1 << (\d+)", HEADER))
+    assert sorted(int(b) for b in flags.values()) == sorted(v.bit_length() - 1 for v in loader.FLAGS.values())
+    recurrence = (SOURCES / "recurrence.cu").read_text()
+    prepare = (SOURCES / "prepare.cu").read_text()
+    assert f"kStages = {loader.STAGES};" in recurrence
+    assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
+
+
+def test_workspace_size_matches_the_header_layout():
+    tile, square = 16 * 128 * 2, 16 * 16 * 2
+    assert 3 * tile + 3 * square + 128 * 4 == loader.WORKSPACE_BYTES
+    for field in ("q_decayed", "w", "k_restored", "inverse_beta_hi", "inverse_beta_lo", "M", "gamma"):
+        assert f"int {field} = " in HEADER
+
+
+UNSUPPORTED = [
+    ("fp16", dict(dtype=torch.float16), "dtype"),
+    ("K=64", dict(K=64, V=64), "head dims"),
+    ("GVA", dict(H=2, HV=4), "grouped value heads"),
+    ("softplus", dict(gate="softplus"), "softplus"),
+]
+
+
+@pytest.mark.parametrize("name,over,reason", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_calls_are_refused_with_the_feature_named(name, over, reason):
+    kw = dict(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=1) | over
+    case = make_case(**kw)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    assert reason in BACKEND.rejects(p)
+
+
+def test_requires_grad_is_refused():
+    case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=2)
+    q = case.q.clone().requires_grad_()
+    p = checked_problem(kda.chunk_kda, q, *case.tensors()[1:], **case.kwargs())
+    assert "grad" in BACKEND.rejects(p)
+
+
+def test_longest_sequences_are_scheduled_first():
+    case = make_case(seq_lens=[3, 10, 0, 7], H=2, K=128, V=128, dtype=torch.bfloat16, seed=3)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    assert longest_first(p).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
+
+
+def test_recurrence_width_follows_parallelism():
+    assert recurrence_warps(32) == 1  # 1 x 32768 at H = 32: narrow CTAs to fill 132 SMs
+    assert recurrence_warps(96) == 2
+    assert recurrence_warps(16 * 32) == 4
+
+
+def test_kda_cuda_off_switch(monkeypatch):
+    monkeypatch.setenv("KDA_CUDA", "0")
+    assert BACKEND.availability() == "turned off by KDA_CUDA=0"
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+cuda_ready = pytest.mark.skipif(
+    not torch.cuda.is_available() or kda.cuda._static_availability() is not None,
+    reason=f"CUDA backend unavailable: {kda.cuda._static_availability() if torch.cuda.is_available() else 'no GPU'}",
+)
+
+
+@pytest.fixture
+def cuda_on(monkeypatch):
+    monkeypatch.setenv("KDA_CUDA", "1")
+
+
+def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed):
+    case = make_case(seq_lens=seq_lens, H=H, K=128, V=128, dtype=torch.bfloat16, gate=gate,
+                     state_v_first=layout, with_state=with_state, device="cuda", seed=seed)  # fmt: skip
+    if g_fp32:
+        case.g = case.g.float()
+    return case
+
+
+@pytest.mark.gpu
+@cuda_ready
+@given(
+    seq_lens=st.lists(st.integers(0, 20000), min_size=1, max_size=4).filter(lambda x: sum(x) <= 24000),
+    H=st.sampled_from([1, 2, 4]),
+    layout=st.booleans(),
+    gate=st.sampled_from(["lower_bound", "precomputed"]),
+    g_fp32=st.booleans(),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, seed):
+    case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed)
+    with mock.patch.dict(os.environ, {"KDA_CUDA": "1"}), kda.record_dispatch() as events:
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+    assert "cuda:recurrence" in events
+    o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs())
+    c64 = case.to(torch.float64)
+    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs())
+    assert_close_fp64(o, o_ref, 5e-3, "o")
+    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
+    if sum(seq_lens) >= 256:  # tiny problems: both errors are noise-sized
+        assert rel(o, o_ref) <= 1.1 * rel(o_tr, o_ref) + 1e-4
+        assert rel(ht, ht_ref) <= 1.1 * rel(ht_tr, ht_ref) + 1e-4
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("layout", [False, True])
+def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout):
+    from kda.cuda.forward import chunk_forward
+
+    case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    guard = 4096
+    o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), device="cuda")
+    o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
+    state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
+    ht = h_buf[guard:-guard].view(state_shape)
+    chunk_forward(p, out=o, final_state_out=ht)
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not ht.isnan().any(), "some outputs were never written"
+    for buf in (o_buf, h_buf):
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the output"
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, 5e-3, "o") and assert_close_fp64(ht, ht_ref, 5e-3, "state")
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_strict_causality(cuda_on):
+    case = cuda_case([4099], 2, False, "lower_bound", False, True, seed=6)
+    o, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+    for t in (4097, 4000, 17):
+        changed = type(case)(**case.__dict__)
+        changed.q, changed.k, changed.v, changed.g, changed.beta = (x.clone() for x in case.tensors())
+        for x in (changed.k, changed.v, changed.g):
+            x[:, t:] = torch.randn_like(x[:, t:])
+        o2, _ = kda.chunk_kda(*changed.tensors(), backend="cuda", **changed.kwargs())
+        assert torch.equal(o[:, :t], o2[:, :t])
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_auto_picks_cuda_and_the_kernels_run(cuda_on):
+    case = cuda_case([100, 40], 2, True, "lower_bound", False, True, seed=7)
+    with kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert events == ["chunk_kda -> cuda", "cuda:prepare", "cuda:recurrence"]
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
+    case = make_case(T=64, H=2, K=64, V=64, dtype=torch.bfloat16, device="cuda", seed=8)
+    with pytest.raises(kda.BackendUnavailableError, match="head dims"):
+        kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
+    case = cuda_case([1000], 4, False, "lower_bound", False, True, seed=9)
+    kw = case.kwargs(cu_seqlens=None)
+    eager, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kda.chunk_kda(*case.tensors(), backend="cuda", **kw)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
