@@ -12,7 +12,27 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-# steps: all, or one of tests / compare / variants / bench; several: "tests bench"
+# steps: all, or one of cuda / bench / tests / compare / variants; several: "cuda bench".
+# cuda runs first: it installs the package with its kernels and the later steps use that install.
+if [[ $step == all || $step == *cuda* ]]; then
+  # The CUDA path from a clean copy: `pip install .` builds the fatbins with nvcc (no network:
+  # build requirements come from .whl, CUTLASS headers from the nvidia-cutlass wheel), then
+  # the CUDA tests, compute-sanitizer on a small case, and `kda info` from the install.
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/scikit_build_core*.whl .whl/pathspec*.whl .whl/packaging*.whl .whl/nvidia_cutlass*.whl || exit 1
+  rm -rf /tmp/kda-install build
+  timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index --target /tmp/kda-install . \
+    > "$OUT/pip-install.log" 2>&1; tail -3 "$OUT/pip-install.log"
+  ls /tmp/kda-install/kda/cuda/*.fatbin
+  export PYTHONPATH=/tmp/kda-install:/tmp/site KDA_CUDA=1
+  python3 -m kda info
+  KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
+    -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1; tail -15 "$OUT/pytest-cuda.log"
+  for tool in memcheck racecheck; do
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/cuda_smoke.py \
+      > "$OUT/sanitizer-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
+  done
+fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 fi

@@ -219,3 +219,18 @@ def test_autotune_prunes_configs_that_would_spill():
     kept = [(c.kwargs["BV"], c.num_warps) for c in _fits_in_registers(configs, {}, BK=128)]
     assert kept == [(16, 1), (64, 2), (32, 4)]
     assert len(_fits_in_registers(configs[1:2], {}, BK=256)) == 1
+
+
+def test_chunk_tables_are_built_once_per_layout():
+    """Repeated calls on the same layout reuse the device tables (no host->device copy, so
+    a warm call can be captured in a CUDA graph); another layout gets its own."""
+    from kda.triton.common import chunk_tables
+
+    a = make_case(seq_lens=[5, 20], H=1, K=16, V=16, seed=20)
+    b = make_case(seq_lens=[20, 5], H=1, K=16, V=16, seed=21)
+    pa = checked_problem(kda.chunk_kda, *a.tensors(), **a.kwargs())
+    pa2 = checked_problem(kda.chunk_kda, *a.tensors(), **a.kwargs())
+    pb = checked_problem(kda.chunk_kda, *b.tensors(), **b.kwargs())
+    assert chunk_tables(pa) is chunk_tables(pa2)
+    assert chunk_tables(pb) is not chunk_tables(pa)
+    assert chunk_tables(pb).chunk_offsets.tolist() == [0, 2, 3]

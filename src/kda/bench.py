@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -151,6 +152,70 @@ def accuracy_rows(calls: dict) -> list[dict]:
     return rows
 
 
+KERNEL_NAMES = ("kda_prepare", "kda_recurrence", "prepare_chunks_kernel", "recurrence_v_split_kernel")
+
+
+def kernel_split(calls: dict, case: dict, iters: int = 20) -> dict:
+    """Per-kernel GPU time (ms per call) of each kda backend on ``case``, from the torch
+    profiler's CUDA activity: how the time divides between prepare (K1) and recurrence (K2)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tensors, kw = make_inputs(case)
+    split = {}
+    for name, call in calls.items():
+        if not name.startswith("kda-"):
+            continue
+        call(tensors, kw)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                call(tensors, kw)
+            torch.cuda.synchronize()
+        times = {}
+        for event in prof.key_averages():
+            kernel = next((k for k in KERNEL_NAMES if event.key.startswith(k)), None)
+            if kernel:
+                total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+                times[kernel] = times.get(kernel, 0.0) + total_us / iters / 1e3
+        split[name] = times
+    return split
+
+
+def host_overhead(calls: dict, iters: int = 200) -> dict:
+    """A tiny call (T = 64, H = 1): host microseconds per eager call (a loop of launches,
+    then one sync, divided by the count) and GPU microseconds per replay of a captured
+    CUDA graph of the same call."""
+    tensors, kw = make_inputs({"seq_lens": [64], "H": 1})
+    rows = {}
+    for name, call in calls.items():
+        if not name.startswith("kda-"):
+            continue
+        for _ in range(3):
+            call(tensors, kw)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call(tensors, kw)
+        host_us = (time.perf_counter() - start) / iters * 1e6
+        torch.cuda.synchronize()
+        row = {"eager_host_us": host_us}
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call(tensors, kw)
+            graph.replay()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                graph.replay()
+            torch.cuda.synchronize()
+            row["graph_replay_us"] = (time.perf_counter() - start) / iters * 1e6
+        except Exception as error:  # noqa: BLE001 - recorded, not fatal: the report says why
+            row["graph_error"] = f"{type(error).__name__}: {error}"[:200]
+        rows[name] = row
+    return rows
+
+
 def triton_configs() -> dict:
     """The autotuner's choice for the last shape each Triton kernel ran on (for the record)."""
     from kda.triton.prepare import prepare_chunks_kernel
@@ -181,6 +246,8 @@ def main(args) -> int:
             "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]"
         ),
         "accuracy_vs_fp64": accuracy_rows(calls),
+        "host_overhead_tiny_call": host_overhead(calls),
+        "kernel_ms_1x8192_H96": kernel_split(calls, ANCHOR_CASES[0]),
         "cases": [],
     }
     out = Path(args.out)
@@ -233,6 +300,15 @@ def markdown_table(report: dict) -> str:
     lines += ["", "| accuracy case | impl | o rel RMS | final state rel RMS |", "|---|---|---:|---:|"]
     for a in report["accuracy_vs_fp64"]:
         lines.append(f"| {a['case']} | {a['impl']} | {a['o']:.2e} | {a['final_state']:.2e} |")
+    if report.get("host_overhead_tiny_call"):
+        lines += ["", "| tiny call (T=64, H=1) | eager host us | graph replay us |", "|---|---:|---:|"]
+        for name, row in report["host_overhead_tiny_call"].items():
+            graph = f"{row['graph_replay_us']:.1f}" if "graph_replay_us" in row else row.get("graph_error", "-")
+            lines.append(f"| {name} | {row['eager_host_us']:.1f} | {graph} |")
+    if report.get("kernel_ms_1x8192_H96"):
+        lines += ["", "| 1x8192 H96, per kernel | kernel | ms per call |", "|---|---|---:|"]
+        for name, times in report["kernel_ms_1x8192_H96"].items():
+            lines += [f"| {name} | {kernel} | {ms:.3f} |" for kernel, ms in times.items()]
     return "\n".join(lines) + "\n"
 
 

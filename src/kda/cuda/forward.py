@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 
 import torch
 
 from kda.cuda import loader
 from kda.dispatch import note
-from kda.triton.common import chunk_tables
+from kda.triton.common import LayoutCache, chunk_tables
 from kda.validation import Problem
 
 SMS_FOR_SPLIT = 132  # H200; only steers the choice of CTA width below
@@ -39,23 +38,7 @@ def longest_first(p: Problem) -> torch.Tensor:
     return pairs.to(p.q.device, non_blocking=True)
 
 
-_TABLES: OrderedDict[tuple, tuple] = OrderedDict()
-TABLES_CACHED = 64
-
-
-def tables_for(p: Problem):
-    """Chunk tables and schedule, built once per problem layout (shape and sequence
-    lengths) and device: a repeated call moves nothing from the host, which keeps its
-    host time low and lets it be captured in a CUDA graph after one eager call."""
-    offsets = None if p.cu_seqlens_cpu is None else tuple(p.cu_seqlens_cpu.tolist())
-    key = (str(p.q.device), p.B, p.T, p.H, offsets)
-    if key in _TABLES:
-        _TABLES.move_to_end(key)
-    else:
-        _TABLES[key] = (chunk_tables(p), longest_first(p))
-        if len(_TABLES) > TABLES_CACHED:
-            _TABLES.popitem(last=False)
-    return _TABLES[key]
+_ORDER = LayoutCache()
 
 
 def chunk_forward(
@@ -71,7 +54,7 @@ def chunk_forward(
     if p.output_final_state:
         shape = (p.N, p.HV, p.V, p.K) if p.state_v_first else (p.N, p.HV, p.K, p.V)
         ht = torch.empty(shape, dtype=torch.float32, device=device) if final_state_out is None else final_state_out
-    tables, order = tables_for(p)
+    tables, order = chunk_tables(p), _ORDER.get(p, longest_first)
     workspace = torch.empty(max(tables.num_chunks, 1) * p.H * loader.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
     flags = loader.FLAGS
