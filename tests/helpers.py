@@ -147,3 +147,14 @@ def assert_close_fp64(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str)
     assert torch.isfinite(x).all(), f"{what}: non-finite values"
     err = rel(x, ref)
     assert err <= tol, f"{what}: relative RMS {err:.3e} > {tol:.1e}"
+
+
+def assert_strictly_causal(case: Case, backend: str, cuts: tuple[int, ...]) -> None:
+    """Outputs before each cut t are bit-identical when k, v, g at t and later are redrawn."""
+    o, _ = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
+    for t in cuts:
+        changed = dataclasses.replace(case, k=case.k.clone(), v=case.v.clone(), g=case.g.clone())
+        for x in (changed.k, changed.v, changed.g):
+            x[:, t:] = torch.randn_like(x[:, t:])
+        o2, _ = kda.chunk_kda(*changed.tensors(), backend=backend, **changed.kwargs())
+        assert torch.equal(o[:, :t], o2[:, :t]), f"{backend}: outputs before {t} moved"
