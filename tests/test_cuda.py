@@ -88,6 +88,12 @@ def test_recurrence_width_follows_parallelism():
     assert recurrence_warps(16 * 32) == 4
 
 
+def test_bad_cta_width_override_is_refused(monkeypatch):
+    monkeypatch.setenv("KDA_CUDA_WARPS", "3")
+    with pytest.raises(ValueError, match="KDA_CUDA_WARPS"):
+        recurrence_warps(96)
+
+
 def test_kda_cuda_off_switch(monkeypatch):
     monkeypatch.setenv("KDA_CUDA", "0")
     assert BACKEND.availability() == "turned off by KDA_CUDA=0"
@@ -106,9 +112,9 @@ def cuda_on(monkeypatch):
     monkeypatch.setenv("KDA_CUDA", "1")
 
 
-def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed):
-    case = make_case(seq_lens=seq_lens, H=H, K=128, V=128, dtype=torch.bfloat16, gate=gate,
-                     state_v_first=layout, with_state=with_state, device="cuda", seed=seed)  # fmt: skip
+def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0):
+    case = make_case(seq_lens=seq_lens, H=H, K=128, V=128, dtype=torch.bfloat16, gate=gate, state_v_first=layout,
+                     with_state=with_state, device="cuda", seed=seed, steep_steps=steep_steps)  # fmt: skip
     if g_fp32:
         case.g = case.g.float()
     return case
@@ -123,10 +129,11 @@ def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed):
     gate=st.sampled_from(["lower_bound", "precomputed"]),
     g_fp32=st.booleans(),
     with_state=st.booleans(),
+    steep=st.sampled_from([0, 0, 40]),  # steps of g = -50 (precomputed g): prepare's pairwise rows
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, seed):
-    case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed)
+def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, steep, seed):
+    case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=steep)
     with mock.patch.dict(os.environ, {"KDA_CUDA": "1"}), kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
     assert "cuda:recurrence" in events
@@ -165,8 +172,11 @@ def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout):
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_cuda_strict_causality(cuda_on):
-    case = cuda_case([4099], 2, False, "lower_bound", False, True, seed=6)
+@pytest.mark.parametrize("gate,steep", [("lower_bound", 0), ("precomputed", 300)])
+def test_gpu_cuda_strict_causality(cuda_on, gate, steep):
+    """Also with steps of g = -50, where some rows of a chunk take prepare's pairwise form:
+    the form of a row must not depend on later rows."""
+    case = cuda_case([4099], 2, False, gate, False, True, seed=6, steep_steps=steep)
     assert_strictly_causal(case, "cuda", (4097, 4000, 17))
 
 

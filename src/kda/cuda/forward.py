@@ -19,7 +19,10 @@ def recurrence_warps(pairs: int) -> int:
     (sequence, head) pairs must fill the GPU, wide ones when there are plenty.
     ``KDA_CUDA_WARPS`` overrides it (experiments)."""
     if os.environ.get("KDA_CUDA_WARPS"):
-        return int(os.environ["KDA_CUDA_WARPS"])
+        warps = os.environ["KDA_CUDA_WARPS"]
+        if warps not in ("1", "2", "4"):
+            raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
+        return int(warps)
     ctas_at_two_warps = pairs * (loader.HEAD_DIM // 32)
     if ctas_at_two_warps < 2 * SMS_FOR_SPLIT:
         return 1

@@ -7,9 +7,12 @@
 // small (16 x 16 x 128) and computed in float32 on the CUDA cores: one thread per (i, j).
 //
 // Exponents: A and M need exp(G_i - G_j), j <= i. The fast form factors it as
-// (k_i exp(G_i)) . (k_j exp(-G_j)); exp(-G_j) overflows once -G passes 2^116, which the
-// lower-bound gate (lb >= -5: |G| <= 80 / ln 2 over 16 tokens) never reaches but a
-// precomputed g may. A chunk that passes it takes the pairwise form, exact at any depth.
+// (k_i exp(G_i)) . (k_j exp(-G_j)), with exp(-G_j) clamped at 2^116 (the lower-bound gate,
+// lb >= -5, never reaches it: |G| <= 80 / ln 2 over 16 tokens; a precomputed g may). Row i
+// only needs j <= i, whose -G_j <= -G_i, so a row whose own decay stays inside the limit is
+// exact in the factored form; a row past it takes the pairwise form, exact at any depth.
+// The choice is made per row from that row's own G: a later token never changes how an
+// earlier row is computed, which keeps strict causality bit for bit.
 #include "kda_cuda.cuh"
 
 namespace kda {
@@ -75,11 +78,13 @@ __device__ __forceinline__ float plain_product(const float (*X)[kChunk + 1], con
 }
 
 struct PrepareShared {
-  float q[kChunk][kPad];     // q (normalised), then scale * q * exp(G) on the factored path
-  float k[kChunk][kPad];     // k (normalised), then k * exp(G) on the factored path
-  float kinv[kChunk][kPad];  // k * exp(-G), factored path only
+  float q[kChunk][kPad];     // row i: scale * q * exp(G) (factored), or q (pairwise rows)
+  float k[kChunk][kPad];     // row i: k * exp(G) (factored), or k (pairwise rows)
+  float kraw[kChunk][kPad];  // k (normalised): the column operand of the pairwise form
+  float kinv[kChunk][kPad];  // k * exp(min(-G, limit)): the column operand of the factored form
   float G[kChunk][kPad];     // cumulative log2-decay
   float beta[kChunk];
+  int pairwise[kChunk];      // row i's decay passes the limit
   float A[kChunk][kChunk + 1];
   float P[kChunk][kChunk + 1];  // powers and partial products of the inverse
   float Q[kChunk][kChunk + 1];
@@ -162,16 +167,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::q_decayed) + row * kHeadDim + col0, qd);
   store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::k_restored) + row * kHeadDim + col0, kr);
   if (tid < kHeadDim) reinterpret_cast<float*>(ws + WS::gamma)[tid] = exp2f(s.G[kChunk - 1][tid]);
-  far = __syncthreads_or(far);
+  // Row i's form, from row i's channels alone (the 16 lanes of a half warp).
+  int row_far = far;
+  for (int offset = 8; offset > 0; offset >>= 1) row_far |= __shfl_xor_sync(0xffffffffu, row_far, offset);
+  if (col0 == 0) s.pairwise[row] = row_far;
   for (int i = 0; i < kColsPerThread; ++i) {
-    if (far) {  // keep q, k: the pairwise form below needs them
-      s.q[row][col0 + i] = q[i];
-      s.k[row][col0 + i] = k[i];
-    } else {
-      s.q[row][col0 + i] = qd[i];
-      s.k[row][col0 + i] = kd[i];
-      s.kinv[row][col0 + i] = k[i] * exp2f(-G[i]);
-    }
+    s.q[row][col0 + i] = row_far ? q[i] : qd[i];
+    s.k[row][col0 + i] = row_far ? k[i] : kd[i];
+    s.kraw[row][col0 + i] = k[i];
+    s.kinv[row][col0 + i] = k[i] * exp2f(fminf(-G[i], kExp2Limit));
   }
   __syncthreads();
 
@@ -179,14 +183,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   const int i = tid / kChunk, j = tid % kChunk;
   float a = 0.f, m = 0.f;
   if (j <= i) {
-    if (!far) {
+    if (!s.pairwise[i]) {
       for (int d = 0; d < kHeadDim; ++d) {
         a = fmaf(s.k[i][d], s.kinv[j][d], a);
         m = fmaf(s.q[i][d], s.kinv[j][d], m);
       }
     } else {
       for (int d = 0; d < kHeadDim; ++d) {
-        const float kj = s.k[j][d] * exp2f(fminf(s.G[i][d] - s.G[j][d], 0.f));
+        const float kj = s.kraw[j][d] * exp2f(fminf(s.G[i][d] - s.G[j][d], 0.f));
         a = fmaf(s.k[i][d], kj, a);
         m = fmaf(s.q[i][d], kj, m);
       }
@@ -221,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   for (int x = 0; x < kColsPerThread; ++x) {
     float acc = 0.f;
     for (int l = 0; l < kChunk; ++l) {
-      const float kd_l = far ? s.k[l][col0 + x] * exp2f(s.G[l][col0 + x]) : s.k[l][col0 + x];
+      const float kd_l = s.pairwise[l] ? s.k[l][col0 + x] * exp2f(s.G[l][col0 + x]) : s.k[l][col0 + x];
       acc = fmaf(s.R[row][l], kd_l, acc);
     }
     w[x] = acc;
