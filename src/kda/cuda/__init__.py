@@ -50,6 +50,11 @@ def _static_availability() -> str | None:
     return None
 
 
+@cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -80,7 +85,7 @@ class CudaBackend:
             return "inputs require grad and there is no CUDA backward (use backend='torch')"
         if p.q.device.type != "cuda":
             return f"tensors on {p.q.device} (needs CUDA tensors)"
-        if torch.cuda.get_device_capability(p.q.device) != (9, 0):
+        if _capability(p.q.device.index) != (9, 0):
             return f"tensors on {torch.cuda.get_device_name(p.q.device)}, not an sm_90 GPU"
         for name in ("q", "k", "v"):
             if getattr(p, name).data_ptr() % ALIGNMENT:

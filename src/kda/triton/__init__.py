@@ -8,6 +8,8 @@ kernels (a chunk may hold a single token).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from kda.dispatch import note
@@ -17,6 +19,13 @@ from kda.triton.recurrence import recurrence_v_split
 from kda.validation import Problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@cache
+def cuda_visible() -> bool:
+    """torch.cuda.is_available(), asked once: it does not change within a process, and the
+    dispatch asks on every call."""
+    return torch.cuda.is_available()
 
 
 def precision_for(dtype: torch.dtype) -> tuple[torch.dtype, str, bool]:
@@ -65,7 +74,7 @@ class TritonBackend:
     def availability(self) -> str | None:
         if interpreting():
             return None
-        if not torch.cuda.is_available():
+        if not cuda_visible():
             return "no CUDA GPU visible to torch (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
         return None
 
