@@ -158,3 +158,21 @@ def assert_strictly_causal(case: Case, backend: str, cuts: tuple[int, ...]) -> N
             x[:, t:] = torch.randn_like(x[:, t:])
         o2, _ = kda.chunk_kda(*changed.tensors(), backend=backend, **changed.kwargs())
         assert torch.equal(o[:, :t], o2[:, :t]), f"{backend}: outputs before {t} moved"
+
+
+def assert_graph_replays_eager(case: Case, backend: str) -> None:
+    """After one eager call (compiles, tunes, caches the chunk tables) the call can be
+    captured in a CUDA graph, and a replay gives the eager output bit for bit."""
+    kw = case.kwargs()
+    eager, _ = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kda.chunk_kda(*case.tensors(), backend=backend, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager), f"{backend}: graph replay differs from the eager call"

@@ -16,7 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kda
-from helpers import assert_close_fp64, assert_strictly_causal, fp64_reference, make_case, rel
+from helpers import (
+    assert_close_fp64,
+    assert_graph_replays_eager,
+    assert_strictly_causal,
+    fp64_reference,
+    make_case,
+    rel,
+)
 from kda.api import checked_problem
 from kda.cuda import BACKEND, loader
 from kda.cuda.forward import longest_first, recurrence_warps
@@ -200,17 +207,4 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
-    case = cuda_case([1000], 4, False, "lower_bound", False, True, seed=9)
-    kw = case.kwargs(cu_seqlens=None)
-    eager, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kda.chunk_kda(*case.tensors(), backend="cuda", **kw)  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")

@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kda
-from helpers import DEVICE, assert_close_fp64, assert_strictly_causal, fp64_reference, make_case, rel
+from helpers import (
+    DEVICE,
+    assert_close_fp64,
+    assert_graph_replays_eager,
+    assert_strictly_causal,
+    fp64_reference,
+    make_case,
+    rel,
+)
 from kda.api import checked_problem
 from kda.triton import chunk_forward
 
@@ -178,6 +186,12 @@ def test_gpu_torch_backend_matches_cpu():
     gpu = case.to(torch.float32, "cuda")
     o_gpu, ht_gpu = kda.chunk_kda(*gpu.tensors(), backend="torch", **gpu.kwargs())
     assert rel(o_gpu, o_cpu) <= 1e-5 and rel(ht_gpu, ht_cpu) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_triton_graph_capture_replays_the_eager_result():
+    case = make_case(seq_lens=[1000, 37], H=4, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=15)
+    assert_graph_replays_eager(case, "triton")
 
 
 @pytest.mark.gpu
