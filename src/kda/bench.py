@@ -181,6 +181,23 @@ def kernel_split(calls: dict, case: dict, iters: int = 20) -> dict:
     return split
 
 
+def layout_cost(calls: dict, case: dict) -> dict:
+    """ms per call of each kda backend with the state in VK layout (native, the bench's
+    default) and in KV layout (fla's default), on ``case``."""
+    import triton.testing
+
+    tensors, kw = make_inputs(case)
+    kv = dict(kw, state_v_first=False, initial_state=kw["initial_state"].transpose(-1, -2).contiguous())
+    rows = {}
+    for name, call in calls.items():
+        if name.startswith("kda-"):
+            rows[name] = {
+                layout: triton.testing.do_bench(lambda: call(tensors, k), warmup=25, rep=100, return_mode="median")
+                for layout, k in (("VK", kw), ("KV", kv))
+            }
+    return rows
+
+
 def host_overhead(calls: dict, iters: int = 200) -> dict:
     """A tiny call (T = 64, H = 1): host microseconds per eager call (a loop of launches,
     then one sync, divided by the count) and GPU microseconds per replay of a captured
@@ -248,6 +265,7 @@ def main(args) -> int:
         "accuracy_vs_fp64": accuracy_rows(calls),
         "host_overhead_tiny_call": host_overhead(calls),
         "kernel_ms_1x8192_H96": kernel_split(calls, ANCHOR_CASES[0]),
+        "state_layout_ms_1x8192_H96": layout_cost(calls, ANCHOR_CASES[0]),
         "cases": [],
     }
     out = Path(args.out)
@@ -305,6 +323,10 @@ def markdown_table(report: dict) -> str:
         for name, row in report["host_overhead_tiny_call"].items():
             graph = f"{row['graph_replay_us']:.1f}" if "graph_replay_us" in row else row.get("graph_error", "-")
             lines.append(f"| {name} | {row['eager_host_us']:.1f} | {graph} |")
+    if report.get("state_layout_ms_1x8192_H96"):
+        lines += ["", "| 1x8192 H96, state layout | VK ms | KV ms |", "|---|---:|---:|"]
+        for name, row in report["state_layout_ms_1x8192_H96"].items():
+            lines.append(f"| {name} | {row['VK']:.3f} | {row['KV']:.3f} |")
     if report.get("kernel_ms_1x8192_H96"):
         lines += ["", "| 1x8192 H96, per kernel | kernel | ms per call |", "|---|---|---:|"]
         for name, times in report["kernel_ms_1x8192_H96"].items():
