@@ -53,11 +53,29 @@ def test_params_mirror_matches_the_header():
     assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
 
 
-def test_workspace_size_matches_the_header_layout():
-    tile, square = 16 * 128 * 2, 16 * 16 * 2
-    assert 3 * tile + 3 * square + 128 * 4 == loader.WORKSPACE_BYTES
-    for field in ("q_decayed", "w", "k_restored", "inverse_beta_hi", "inverse_beta_lo", "M", "gamma"):
-        assert f"int {field} = " in HEADER
+def test_workspace_layout_matches_the_header():
+    """loader.WORKSPACE_FIELDS lists the header's fields in order, each starting where the
+    previous one ends, and the block ends at WORKSPACE_BYTES."""
+    header_fields = re.findall(r"static constexpr int (\w+) = (?!kChunk)", HEADER)
+    header_fields = [f for f in header_fields if f not in ("kTileBytes", "kSquareBytes", "bytes")]
+    assert header_fields == list(loader.WORKSPACE_FIELDS)
+    end = 0
+    for offset, dtype, shape in loader.WORKSPACE_FIELDS.values():
+        assert offset == end
+        end = offset + getattr(torch, dtype).itemsize * torch.Size(shape).numel()
+    assert end == loader.WORKSPACE_BYTES
+
+
+def test_workspace_views_decode_the_block_layout():
+    heads, chunks = 2, 3
+    ws = torch.zeros(chunks * heads * loader.WORKSPACE_BYTES, dtype=torch.uint8)
+    blocks = ws.view(chunks, heads, loader.WORKSPACE_BYTES)
+    offset, _, _ = loader.WORKSPACE_FIELDS["gamma"]
+    blocks[1, 1, offset : offset + 4] = torch.tensor([2.5], dtype=torch.float32).view(torch.uint8)
+    views = loader.workspace_views(ws, chunks, heads)
+    assert views["gamma"].shape == (chunks, heads, 128) and views["gamma"][1, 1, 0] == 2.5
+    assert views["gamma"].count_nonzero() == 1
+    assert views["w"].shape == (chunks, heads, 16, 128) and views["w"].dtype == torch.bfloat16
 
 
 UNSUPPORTED = [
@@ -208,3 +226,31 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 @cuda_ready
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
     assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
+    """K1 alone against the GPU-verified Triton prepare stage, field by field: when the
+    end-to-end check fails, this says whether K1 or K2 is at fault."""
+    from kda.cuda.forward import chunk_forward, workspace_bytes
+    from kda.triton.common import chunk_tables
+    from kda.triton.prepare import prepare_chunks
+
+    case = cuda_case([37, 0, 16, 200], 2, False, "lower_bound", False, True, seed=10)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    ws = torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda")
+    chunk_forward(p, workspace=ws)
+    tables = chunk_tables(p)
+    got = loader.workspace_views(ws, tables.num_chunks, p.H)
+    want = prepare_chunks(p, tables, torch.float32, "ieee")
+    inverse_beta = got["inverse_beta_hi"].float() + got["inverse_beta_lo"].float()
+    for name, x, ref, bar in (
+        ("q_decayed", got["q_decayed"], want["q_decayed"], 5e-3),
+        ("k_restored", got["k_restored"], want["k_restored"], 5e-3),
+        ("w", got["w"], want["w"], 5e-3),
+        ("M", got["M"], want["M"], 5e-3),
+        ("inverse_beta", inverse_beta, want["inverse_beta"], 1e-4),
+        ("gamma", got["gamma"], want["gamma"], 1e-6),
+    ):
+        assert rel(x.float(), ref.float()) <= bar, f"{name}: {rel(x.float(), ref.float()):.2e}"

@@ -44,11 +44,19 @@ def longest_first(p: Problem) -> torch.Tensor:
 _ORDER = LayoutCache()
 
 
+def workspace_bytes(p: Problem) -> int:
+    return max(chunk_tables(p).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
+
+
 def chunk_forward(
-    p: Problem, out: torch.Tensor | None = None, final_state_out: torch.Tensor | None = None
+    p: Problem,
+    out: torch.Tensor | None = None,
+    final_state_out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run K1 and K2 for a problem the backend accepted. ``out`` / ``final_state_out`` may
-    be given (tests poison them first)."""
+    be given (tests poison them first); so may ``workspace`` (uint8, ``workspace_bytes(p)``),
+    which tests then read through ``loader.workspace_views``."""
     kernels = loader.kernels()
     device = p.q.device
     kernels.configure(device.index if device.index is not None else torch.cuda.current_device())
@@ -58,7 +66,8 @@ def chunk_forward(
         shape = (p.N, p.HV, p.V, p.K) if p.state_v_first else (p.N, p.HV, p.K, p.V)
         ht = torch.empty(shape, dtype=torch.float32, device=device) if final_state_out is None else final_state_out
     tables, order = chunk_tables(p), _ORDER.get(p, longest_first)
-    workspace = torch.empty(max(tables.num_chunks, 1) * p.H * loader.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    if workspace is None:
+        workspace = torch.empty(workspace_bytes(p), dtype=torch.uint8, device=device)
 
     flags = loader.FLAGS
     bits = 0

@@ -19,6 +19,16 @@ from pathlib import Path
 
 ARTEFACTS = ("prepare.fatbin", "recurrence.fatbin")
 WORKSPACE_BYTES = 14336  # kda_cuda.cuh: WorkspaceLayout::bytes, per (chunk, head)
+# kda_cuda.cuh WorkspaceLayout: name -> (byte offset, dtype, shape) within one (chunk, head) block.
+WORKSPACE_FIELDS = {
+    "q_decayed": (0, "bfloat16", (16, 128)),
+    "w": (4096, "bfloat16", (16, 128)),
+    "k_restored": (8192, "bfloat16", (16, 128)),
+    "inverse_beta_hi": (12288, "bfloat16", (16, 16)),
+    "inverse_beta_lo": (12800, "bfloat16", (16, 16)),
+    "M": (13312, "bfloat16", (16, 16)),
+    "gamma": (13824, "float32", (128,)),
+}
 STAGES = 3  # recurrence.cu: kStages
 PREPARE_THREADS = 256  # prepare.cu: kThreads
 HEAD_DIM = 128
@@ -56,6 +66,20 @@ assert ctypes.sizeof(Params) == 8 * 22, "Params must match kda::Params (kParamsF
 def stage_bytes(warps: int) -> int:
     """Dynamic shared memory of the recurrence: kStages x (workspace + [16, 16 * warps] v tile)."""
     return STAGES * (WORKSPACE_BYTES + 16 * 16 * warps * 2)
+
+
+def workspace_views(workspace, num_chunks: int, heads: int) -> dict:
+    """Named views ``[num_chunks, heads, *shape]`` into K1's workspace bytes (tests compare
+    them with the Triton prepare stage; no copy)."""
+    import torch
+
+    blocks = workspace[: num_chunks * heads * WORKSPACE_BYTES].view(num_chunks, heads, WORKSPACE_BYTES)
+    views = {}
+    for name, (offset, dtype, shape) in WORKSPACE_FIELDS.items():
+        dt = getattr(torch, dtype)
+        size = dt.itemsize * int(torch.Size(shape).numel())
+        views[name] = blocks[:, :, offset : offset + size].contiguous().view(dt).view(num_chunks, heads, *shape)
+    return views
 
 
 def artefact_dir() -> Path | None:
