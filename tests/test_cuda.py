@@ -254,3 +254,30 @@ def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
         ("gamma", got["gamma"], want["gamma"], 1e-6),
     ):
         assert rel(x.float(), ref.float()) <= bar, f"{name}: {rel(x.float(), ref.float()):.2e}"
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on):
+    """K2 alone: fed the Triton prepare's operands (in K1's layout), it must give the Triton
+    recurrence's output, up to the bf16 hi/lo split of inverse_beta."""
+    from kda.cuda.forward import chunk_forward, workspace_bytes
+    from kda.triton import chunk_forward as triton_forward
+    from kda.triton.common import chunk_tables
+    from kda.triton.prepare import prepare_chunks
+
+    case = cuda_case([37, 0, 16, 200], 2, True, "lower_bound", False, True, seed=11)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    tables = chunk_tables(p)
+    ops = prepare_chunks(p, tables, torch.bfloat16, "tf32")
+    hi = ops["inverse_beta"].to(torch.bfloat16)
+    fields = dict(ops, inverse_beta_hi=hi, inverse_beta_lo=(ops["inverse_beta"] - hi.float()).to(torch.bfloat16),
+                  M=ops["M"].to(torch.bfloat16))  # fmt: skip
+    ws = torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda")
+    blocks = ws[: tables.num_chunks * p.H * loader.WORKSPACE_BYTES].view(tables.num_chunks, p.H, -1)
+    for name, (offset, _, _) in loader.WORKSPACE_FIELDS.items():
+        raw = fields[name].contiguous().view(torch.uint8).view(tables.num_chunks, p.H, -1)
+        blocks[:, :, offset : offset + raw.shape[-1]] = raw
+    o, ht = chunk_forward(p, workspace=ws, run_prepare=False)
+    o_tr, ht_tr = triton_forward(p)
+    assert rel(o, o_tr) <= 2e-3 and rel(ht, ht_tr) <= 2e-3, (rel(o, o_tr), rel(ht, ht_tr))

@@ -53,10 +53,12 @@ def chunk_forward(
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    run_prepare: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run K1 and K2 for a problem the backend accepted. ``out`` / ``final_state_out`` may
     be given (tests poison them first); so may ``workspace`` (uint8, ``workspace_bytes(p)``),
-    which tests then read through ``loader.workspace_views``."""
+    which tests read through ``loader.workspace_views``, or fill and pass with
+    ``run_prepare=False`` to test K2 alone."""
     kernels = loader.kernels()
     device = p.q.device
     kernels.configure(device.index if device.index is not None else torch.cuda.current_device())
@@ -100,7 +102,7 @@ def chunk_forward(
         prm.scale = p.scale
         prm.lower_bound = p.lower_bound if p.lower_bound is not None else 0.0
         prm.beta_scale = 2.0 if p.allow_neg_eigval else 1.0
-        if tables.num_chunks:
+        if tables.num_chunks and run_prepare:
             kernels.launch("kda_prepare", (tables.num_chunks, p.H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * p.N * p.H, 1)
