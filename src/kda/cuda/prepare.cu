@@ -19,7 +19,10 @@ namespace kda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPad = kHeadDim + 1;  // row stride of the [16, 128] float tiles: column reads hit 16 banks
+// Row stride of the [16, 128] float tiles: rows stay 16-byte aligned for float4 access, and
+// the rows of 8 consecutive j start in distinct 16-byte bank groups (132 = 4 mod 32), so the
+// (i, j) threads' float4 reads of row j are conflict-free.
+constexpr int kPad = kHeadDim + 4;
 constexpr int kColsPerThread = 8;   // a thread owns 8 consecutive channels of one row
 
 __device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
@@ -42,6 +45,24 @@ __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&x
   uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
   for (int c = 0; c < kColsPerThread / 2; ++c) words[c] = pack_bf16(x[2 * c], x[2 * c + 1]);
   *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+__device__ __forceinline__ void store8(float* dst, const float (&x)[kColsPerThread]) {
+  reinterpret_cast<float4*>(dst)[0] = make_float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<float4*>(dst)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+
+__device__ __forceinline__ void load8(float (&x)[kColsPerThread], const float* src) {
+  const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+}
+
+__device__ __forceinline__ const float4& at4(const float (&row)[kPad], int d) {
+  return *reinterpret_cast<const float4*>(&row[d]);
 }
 
 // Sum over the 16 threads of one row (consecutive lanes of a half warp).
@@ -77,7 +98,7 @@ __device__ __forceinline__ float plain_product(const float (*X)[kChunk + 1], con
   return acc;
 }
 
-struct PrepareShared {
+struct __align__(16) PrepareShared {
   float q[kChunk][kPad];     // row i: scale * q * exp(G) (factored), or q (pairwise rows)
   float k[kChunk][kPad];     // row i: k * exp(G) (factored), or k (pairwise rows)
   float kraw[kChunk][kPad];  // k (normalised): the column operand of the pairwise form
@@ -138,7 +159,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
     if (p.flags & kBetaSigmoid) b = valid ? static_cast<float>(p.beta_scale) / (1.f + expf(-b)) : 0.f;
     s.beta[row] = b;
   }
-  for (int i = 0; i < kColsPerThread; ++i) s.G[row][col0 + i] = g[i] * kLog2e;
+  for (int i = 0; i < kColsPerThread; ++i) g[i] *= kLog2e;
+  store8(&s.G[row][col0], g);
   __syncthreads();
 
   // Cumulative log2-decay along the 16 rows, one channel per thread.
@@ -153,14 +175,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
 
   // Decayed operands. Every exponent is <= 0 except -G for k exp(-G).
   const float scale = static_cast<float>(p.scale);
-  float G[kColsPerThread], qd[kColsPerThread], kd[kColsPerThread], kr[kColsPerThread];
+  float G[kColsPerThread], G_last[kColsPerThread], qd[kColsPerThread], kd[kColsPerThread], kr[kColsPerThread];
+  load8(G, &s.G[row][col0]);
+  load8(G_last, &s.G[kChunk - 1][col0]);
   bool far = false;
   for (int i = 0; i < kColsPerThread; ++i) {
-    G[i] = s.G[row][col0 + i];
     const float decay = exp2f(G[i]);
     qd[i] = scale * q[i] * decay;
     kd[i] = k[i] * decay;
-    kr[i] = k[i] * exp2f(s.G[kChunk - 1][col0 + i] - G[i]);
+    kr[i] = k[i] * exp2f(G_last[i] - G[i]);
     far |= G[i] < -kExp2Limit;
   }
   unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
@@ -171,12 +194,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   int row_far = far;
   for (int offset = 8; offset > 0; offset >>= 1) row_far |= __shfl_xor_sync(0xffffffffu, row_far, offset);
   if (col0 == 0) s.pairwise[row] = row_far;
+  float kinv[kColsPerThread], row_q[kColsPerThread], row_k[kColsPerThread];  // the row operands of this row's form
   for (int i = 0; i < kColsPerThread; ++i) {
-    s.q[row][col0 + i] = row_far ? q[i] : qd[i];
-    s.k[row][col0 + i] = row_far ? k[i] : kd[i];
-    s.kraw[row][col0 + i] = k[i];
-    s.kinv[row][col0 + i] = k[i] * exp2f(fminf(-G[i], kExp2Limit));
+    kinv[i] = k[i] * exp2f(fminf(-G[i], kExp2Limit));
+    row_q[i] = row_far ? q[i] : qd[i];
+    row_k[i] = row_far ? k[i] : kd[i];
   }
+  store8(&s.q[row][col0], row_q);
+  store8(&s.k[row][col0], row_k);
+  store8(&s.kraw[row][col0], k);
+  store8(&s.kinv[row][col0], kinv);
   __syncthreads();
 
   // A (strictly lower, times beta_i) and M (lower incl. diagonal), one thread per (i, j).
@@ -184,9 +211,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   float a = 0.f, m = 0.f;
   if (j <= i) {
     if (!s.pairwise[i]) {
-      for (int d = 0; d < kHeadDim; ++d) {
-        a = fmaf(s.k[i][d], s.kinv[j][d], a);
-        m = fmaf(s.q[i][d], s.kinv[j][d], m);
+      for (int d = 0; d < kHeadDim; d += 4) {
+        const float4 kinv_j = at4(s.kinv[j], d);
+        a = dot4(at4(s.k[i], d), kinv_j, a);
+        m = dot4(at4(s.q[i], d), kinv_j, m);
       }
     } else {
       for (int d = 0; d < kHeadDim; ++d) {
@@ -221,14 +249,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) kda_prepare(const Params 
   __syncthreads();
 
   // w = (I + A)^-1 Diag(beta) K~, K~ = k exp(G).
-  float w[kColsPerThread];
-  for (int x = 0; x < kColsPerThread; ++x) {
-    float acc = 0.f;
-    for (int l = 0; l < kChunk; ++l) {
-      const float kd_l = s.pairwise[l] ? s.k[l][col0 + x] * exp2f(s.G[l][col0 + x]) : s.k[l][col0 + x];
-      acc = fmaf(s.R[row][l], kd_l, acc);
+  float w[kColsPerThread] = {};
+  for (int l = 0; l < kChunk; ++l) {
+    float kd_l[kColsPerThread];
+    load8(kd_l, &s.k[l][col0]);
+    if (s.pairwise[l]) {  // the row holds k: form k exp(G)
+      float G_l[kColsPerThread];
+      load8(G_l, &s.G[l][col0]);
+      for (int x = 0; x < kColsPerThread; ++x) kd_l[x] *= exp2f(G_l[x]);
     }
-    w[x] = acc;
+    const float ib = s.R[row][l];
+    for (int x = 0; x < kColsPerThread; ++x) w[x] = fmaf(ib, kd_l[x], w[x]);
   }
   store_bf16x8(reinterpret_cast<__nv_bfloat16*>(ws + WS::w) + row * kHeadDim + col0, w);
 }
