@@ -26,7 +26,8 @@ from helpers import (
 )
 from kda.api import checked_problem
 from kda.cuda import BACKEND, loader
-from kda.cuda.forward import longest_first, recurrence_warps
+from kda.cuda.forward import recurrence_warps
+from kda.triton.common import chunk_tables
 
 SOURCES = Path(loader.__file__).parent
 HEADER = (SOURCES / "kda_cuda.cuh").read_text()
@@ -104,7 +105,7 @@ def test_requires_grad_is_refused():
 def test_longest_sequences_are_scheduled_first():
     case = make_case(seq_lens=[3, 10, 0, 7], H=2, K=128, V=128, dtype=torch.bfloat16, seed=3)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
-    assert longest_first(p).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
+    assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
 def test_recurrence_width_follows_parallelism():
@@ -236,7 +237,6 @@ def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
     """K1 alone against the GPU-verified Triton prepare stage, field by field: when the
     end-to-end check fails, this says whether K1 or K2 is at fault."""
     from kda.cuda.forward import chunk_forward, workspace_bytes
-    from kda.triton.common import chunk_tables
     from kda.triton.prepare import prepare_chunks
 
     case = cuda_case([37, 0, 16, 200], 2, False, "lower_bound", False, True, seed=10)
@@ -265,7 +265,6 @@ def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on):
     recurrence's output, up to the bf16 hi/lo split of inverse_beta."""
     from kda.cuda.forward import chunk_forward, workspace_bytes
     from kda.triton import chunk_forward as triton_forward
-    from kda.triton.common import chunk_tables
     from kda.triton.prepare import prepare_chunks
 
     case = cuda_case([37, 0, 16, 200], 2, True, "lower_bound", False, True, seed=11)

@@ -84,6 +84,11 @@ class Problem:
         return "lower_bound" if self.lower_bound is not None else "softplus"
 
     @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """``[N, HV, V, K]`` with ``state_v_first``, else ``[N, HV, K, V]``."""
+        return (self.N, self.HV, self.V, self.K) if self.state_v_first else (self.N, self.HV, self.K, self.V)
+
+    @property
     def state_dtype(self) -> torch.dtype:
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
 

@@ -8,7 +8,7 @@ import torch
 
 from kda.cuda import loader
 from kda.dispatch import note
-from kda.triton.common import LayoutCache, chunk_tables
+from kda.triton.common import chunk_tables
 from kda.validation import Problem
 
 SMS_FOR_SPLIT = 132  # H200; only steers the choice of CTA width below
@@ -29,19 +29,6 @@ def recurrence_warps(pairs: int) -> int:
     if ctas_at_two_warps >= 8 * SMS_FOR_SPLIT:
         return 4
     return 2
-
-
-def longest_first(p: Problem) -> torch.Tensor:
-    """(sequence, head) pairs ordered by sequence length, longest first, as ``n * H + h``:
-    the recurrence's CTAs start on the longest chains, so short ones fill in behind them."""
-    offsets = torch.arange(p.B + 1, dtype=torch.int64) * p.T if p.cu_seqlens is None else p.cu_seqlens_cpu
-    lengths = offsets[1:] - offsets[:-1]
-    order = torch.argsort(lengths, descending=True, stable=True)
-    pairs = (order[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1)
-    return pairs.to(p.q.device, non_blocking=True)
-
-
-_ORDER = LayoutCache()
 
 
 def workspace_bytes(p: Problem) -> int:
@@ -65,9 +52,12 @@ def chunk_forward(
     o = torch.empty_like(p.v) if out is None else out
     ht = None
     if p.output_final_state:
-        shape = (p.N, p.HV, p.V, p.K) if p.state_v_first else (p.N, p.HV, p.K, p.V)
-        ht = torch.empty(shape, dtype=torch.float32, device=device) if final_state_out is None else final_state_out
-    tables, order = chunk_tables(p), _ORDER.get(p, longest_first)
+        ht = (
+            torch.empty(p.state_shape, dtype=torch.float32, device=device)
+            if final_state_out is None
+            else final_state_out
+        )
+    tables = chunk_tables(p)
     if workspace is None:
         workspace = torch.empty(workspace_bytes(p), dtype=torch.uint8, device=device)
 
@@ -97,7 +87,7 @@ def chunk_forward(
         prm.A_log, prm.dt_bias, prm.h0 = address(p.A_log), address(p.dt_bias), address(p.initial_state)
         prm.ht, prm.o, prm.workspace = address(ht), o.data_ptr(), workspace.data_ptr()
         prm.seq_offsets, prm.chunk_offsets = tables.seq_offsets.data_ptr(), tables.chunk_offsets.data_ptr()
-        prm.chunk_seq, prm.seq_order = tables.chunk_seq.data_ptr(), order.data_ptr()
+        prm.chunk_seq, prm.seq_order = tables.chunk_seq.data_ptr(), tables.seq_order.data_ptr()
         prm.num_chunks, prm.num_seqs, prm.heads, prm.flags = tables.num_chunks, p.N, p.H, bits
         prm.scale = p.scale
         prm.lower_bound = p.lower_bound if p.lower_bound is not None else 0.0

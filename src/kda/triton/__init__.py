@@ -55,8 +55,11 @@ def chunk_forward(
     o = torch.empty_like(p.v, dtype=p.q.dtype) if out is None else out
     ht = None
     if p.output_final_state:
-        shape = (p.N, p.HV, p.V, p.K) if p.state_v_first else (p.N, p.HV, p.K, p.V)
-        ht = torch.empty(shape, dtype=torch.float32, device=p.q.device) if final_state_out is None else final_state_out
+        ht = (
+            torch.empty(p.state_shape, dtype=torch.float32, device=p.q.device)
+            if final_state_out is None
+            else final_state_out
+        )
     default_dtype, dot_precision, default_mixed = precision_for(p.q.dtype)
     workspace_dtype = workspace_dtype or default_dtype
     mixed = default_mixed if mixed is None else mixed

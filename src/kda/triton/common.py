@@ -32,61 +32,58 @@ def autotune_configs(params: list[dict], warps: tuple[int, ...], stages: tuple[i
 class ChunkTables:
     """Where every chunk lives. Batched inputs are treated as N = B packed sequences.
 
-    ``seq_offsets [N+1]`` (int64): token offsets; ``chunk_offsets [N+1]`` (int64): first
-    global chunk of each sequence; ``chunk_seq [NC]`` (int32): sequence of each chunk.
+    ``seq_offsets [N+1]``: token offsets; ``chunk_offsets [N+1]``: first global chunk of
+    each sequence; ``chunk_seq [NC]``: sequence of each chunk; ``seq_order [N*H]``: the
+    (sequence, head) pairs as ``n * H + h``, longest sequence first (the CUDA recurrence's
+    schedule: the longest chains start first, short ones fill in behind). All int64.
     """
 
     seq_offsets: torch.Tensor
     chunk_offsets: torch.Tensor
     chunk_seq: torch.Tensor
+    seq_order: torch.Tensor
     num_chunks: int
     BK: int
 
 
-class LayoutCache:
-    """Small LRU cache of device tensors derived from a problem's layout (device, shape and
-    sequence lengths). A repeated call then moves nothing from the host: less host time,
-    and the call can be captured in a CUDA graph once it has run eagerly."""
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self.entries: OrderedDict[tuple, object] = OrderedDict()
-
-    def get(self, p, build):
-        offsets = None if p.cu_seqlens_cpu is None else tuple(p.cu_seqlens_cpu.tolist())
-        key = (str(p.q.device), p.B, p.T, p.H, p.K, offsets)
-        if key in self.entries:
-            self.entries.move_to_end(key)
-        else:
-            self.entries[key] = build(p)
-            if len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        return self.entries[key]
-
-
-_TABLES = LayoutCache()
+TABLES_CACHED = 64
+_TABLES: OrderedDict[tuple, ChunkTables] = OrderedDict()
 
 
 def chunk_tables(p) -> ChunkTables:
-    """The tables of ``p``, built once per layout (:class:`LayoutCache`)."""
-    return _TABLES.get(p, _build_chunk_tables)
+    """The tables of ``p``, built once per layout (device, shape, sequence lengths) and kept
+    in a small LRU cache: a repeated call then moves nothing from the host (less host time,
+    and the call can be captured in a CUDA graph once it has run eagerly)."""
+    offsets = None if p.cu_seqlens_cpu is None else tuple(p.cu_seqlens_cpu.tolist())
+    key = (str(p.q.device), p.B, p.T, p.H, p.K, offsets)
+    if key in _TABLES:
+        _TABLES.move_to_end(key)
+    else:
+        _TABLES[key] = _build_chunk_tables(p)
+        if len(_TABLES) > TABLES_CACHED:
+            _TABLES.popitem(last=False)
+    return _TABLES[key]
 
 
 def _build_chunk_tables(p) -> ChunkTables:
     """Build the tables on the host from host offsets (validation keeps a CPU copy of
     ``cu_seqlens``, so this costs no device sync) and copy them in one transfer."""
     offsets = torch.arange(p.B + 1, dtype=torch.int64) * p.T if p.cu_seqlens is None else p.cu_seqlens_cpu
-    counts = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
+    lengths = offsets[1:] - offsets[:-1]
+    counts = (lengths + CHUNK - 1) // CHUNK
     chunk_offsets = torch.zeros_like(offsets)
     torch.cumsum(counts, 0, out=chunk_offsets[1:])
     num_chunks = int(chunk_offsets[-1])
-    chunk_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int64), counts)
-    packed = torch.cat([offsets, chunk_offsets, chunk_seq]).to(p.q.device, non_blocking=True)
     N = len(counts)
+    chunk_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int64), counts)
+    longest = torch.argsort(lengths, descending=True, stable=True)
+    seq_order = (longest[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1)
+    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order]).to(p.q.device, non_blocking=True)
     return ChunkTables(
         seq_offsets=packed[: N + 1],
         chunk_offsets=packed[N + 1 : 2 * N + 2],
-        chunk_seq=packed[2 * N + 2 :],
+        chunk_seq=packed[2 * N + 2 : 2 * N + 2 + num_chunks],
+        seq_order=packed[2 * N + 2 + num_chunks :],
         num_chunks=num_chunks,
         BK=max(triton.next_power_of_2(p.K), CHUNK),
     )
