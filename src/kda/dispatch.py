@@ -75,6 +75,8 @@ def backends() -> list[BackendInfo]:
 
 
 def log_once(message: str) -> None:
+    if message in _logged:  # every call after the first; a set lookup is atomic under the GIL
+        return
     with _lock:
         if message in _logged:
             return
@@ -121,6 +123,7 @@ def select(problem: Problem, requested: str) -> Backend:
                 break
             log_once(f"{problem.op}: {name} rejected: {reason}")
         assert chosen is not None, "the torch backend accepts every checked problem"
-    log_once(f"{problem.op} -> {chosen.name}")
-    note(f"{problem.op} -> {chosen.name}")
+    decision = f"{problem.op} -> {chosen.name}"
+    log_once(decision)
+    note(decision)
     return chosen

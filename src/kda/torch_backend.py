@@ -25,7 +25,7 @@ def activated_inputs(p: Problem, dtype: torch.dtype) -> tuple[torch.Tensor, ...]
         use_beta_sigmoid=p.use_beta_sigmoid,
         allow_neg_eigval=p.allow_neg_eigval,
         A_log=None if p.A_log is None else p.A_log.to(dtype),
-        dt_bias=None if p.dt_bias is None else p.dt_bias.to(dtype),
+        dt_bias=None if p.dt_bias is None else p.dt_bias.to(dtype).view(p.HV, p.K),
         lower_bound=p.lower_bound,
     )
     return q, k, p.v.to(dtype), g, beta

@@ -54,15 +54,15 @@ def chunk_tables(p) -> ChunkTables:
     """The tables of ``p``, built once per layout (device, shape, sequence lengths) and kept
     in a small LRU cache: a repeated call then moves nothing from the host (less host time,
     and the call can be captured in a CUDA graph once it has run eagerly)."""
-    offsets = None if p.cu_seqlens_cpu is None else tuple(p.cu_seqlens_cpu.tolist())
-    key = (str(p.q.device), p.B, p.T, p.H, p.K, offsets)
-    if key in _TABLES:
-        _TABLES.move_to_end(key)
-    else:
-        _TABLES[key] = _build_chunk_tables(p)
+    key = (p.q.device, p.q.shape, p.cu_seqlens_values)  # q.shape: (B, T, H, K)
+    tables = _TABLES.get(key)
+    if tables is None:
+        tables = _TABLES[key] = _build_chunk_tables(p)
         if len(_TABLES) > TABLES_CACHED:
             _TABLES.popitem(last=False)
-    return _TABLES[key]
+    else:
+        _TABLES.move_to_end(key)
+    return tables
 
 
 def _build_chunk_tables(p) -> ChunkTables:

@@ -1,0 +1,136 @@
+"""The CUDA backend's host side, on any machine: the driver is stood in for, so these check
+what the Python hands the driver (launch arguments in order, the Params block field by field)
+rather than what the kernels do with it (tests/test_cuda.py, on a Hopper GPU)."""
+
+import ctypes
+import itertools
+
+import pytest
+import torch
+
+import kda
+from helpers import make_case
+from kda.api import checked_problem
+from kda.cuda import forward, loader
+from kda.triton.common import chunk_tables
+
+driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+OK = driver.CUresult.CUDA_SUCCESS
+# CUresult cuLaunchKernel(CUfunction, 7 x unsigned int, CUstream, void **kernelParams, void **extra)
+LAUNCH_PROTOTYPE = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+
+
+class FakeLibcuda:
+    """A C function with cuLaunchKernel's signature that records its arguments and the Params
+    block they point to, called like ``loader.driver_launch()``'s libcuda function (a ctypes
+    function without argtypes at its address), so the arguments take the same conversions."""
+
+    def __init__(self, status: int = 0):
+        self.calls = []
+        self.status = status
+        self.c_function = LAUNCH_PROTOTYPE(self.record)  # kept alive while the fake is used
+        self.launch = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(self.c_function, ctypes.c_void_p).value)
+
+    def record(self, *args):
+        argument_array = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
+        params = loader.Params.from_address(argument_array[0])
+        self.calls.append((args, loader.Params.from_buffer_copy(params)))
+        return self.status
+
+
+@pytest.fixture
+def load_kernels(monkeypatch, tmp_path):
+    """``load_kernels(launch)``: a loader.Kernels over empty files, with the driver calls of
+    loading answered here and ``launch`` in place of libcuda's cuLaunchKernel (None: cuda-bindings)."""
+    handles = itertools.count(0x1000, 0x100)
+    for name, stub in {
+        "cuInit": lambda flags: (OK,),
+        "cuLibraryLoadData": lambda *args: (OK, driver.CUlibrary(0x10)),
+        "cuLibraryGetKernel": lambda library, name: (OK, driver.CUkernel(next(handles))),
+        "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
+        "cuKernelSetAttribute": lambda *args: (OK,),
+    }.items():
+        monkeypatch.setattr(driver, name, stub)
+    for artefact in loader.ARTEFACTS:
+        (tmp_path / artefact).write_bytes(b"")
+
+    def load(launch):
+        monkeypatch.setattr(loader, "driver_launch", lambda: launch)
+        return loader.Kernels(tmp_path)
+
+    return load
+
+
+def test_direct_launch_passes_the_driver_arguments_in_order(load_kernels):
+    libcuda = FakeLibcuda()
+    kernels = load_kernels(libcuda.launch)
+    name = next(iter(kernels.kernels))
+    kernels.launch(name, (7, 3), 128, 4096, 0x5000)
+    ((args, _),) = libcuda.calls
+    handle = int(kernels.kernels[name])
+    assert args == (handle, 7, 3, 1, 128, 1, 1, 4096, 0x5000, ctypes.addressof(kernels.argument_array), None)
+
+
+def test_failed_direct_launch_raises_with_the_driver_text(load_kernels, monkeypatch):
+    monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (OK, b"invalid argument"))
+    kernels = load_kernels(FakeLibcuda(status=int(driver.CUresult.CUDA_ERROR_INVALID_VALUE)).launch)
+    name = next(iter(kernels.kernels))
+    with pytest.raises(loader.CudaError, match=f"launching {name} failed: CUDA_ERROR_INVALID_VALUE: invalid argument"):
+        kernels.launch(name, (1, 1), 32, 0, 0)
+
+
+def test_launch_goes_through_cuda_bindings_without_libcuda(load_kernels, monkeypatch):
+    calls = []
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: calls.append(args) or (OK,))
+    kernels = load_kernels(None)
+    name = next(iter(kernels.kernels))
+    kernels.launch(name, (7, 3), 128, 4096, 0x5000)
+    assert calls == [
+        (kernels.kernels[name], 7, 3, 1, 128, 1, 1, 4096, 0x5000, ctypes.addressof(kernels.argument_array), 0)
+    ]
+
+
+def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monkeypatch):
+    """The Params block is packed positionally (one struct.pack_into); every field must land
+    under its own name, for both launches, on the current device's current stream."""
+    libcuda = FakeLibcuda()
+    kernels = load_kernels(libcuda.launch)
+    monkeypatch.setattr(loader, "kernels", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(state_v_first=True))
+    o, ht = forward.chunk_forward(p)
+
+    (prepare_args, prm), (recurrence_args, prm_again) = libcuda.calls
+    assert bytes(prm) == bytes(prm_again)
+    tables = chunk_tables(p)
+    pointers = dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, A_log=p.A_log, dt_bias=p.dt_bias, h0=p.initial_state)
+    pointers |= dict(ht=ht, o=o, seq_offsets=tables.seq_offsets, chunk_offsets=tables.chunk_offsets)
+    pointers |= dict(chunk_seq=tables.chunk_seq, seq_order=tables.seq_order)
+    assert {name: getattr(prm, name) for name in pointers} == {
+        name: 0 if x is None else x.data_ptr() for name, x in pointers.items()
+    }
+    flags = loader.FLAGS
+    expected_flags = flags["gate_lower_bound"] | flags["has_h0"] | flags["store_ht"]
+    expected_flags |= flags["has_A_log"] if p.A_log is not None else 0
+    expected_flags |= flags["has_dt_bias"] if p.dt_bias is not None else 0
+    expected_flags |= flags["state_v_first"] if p.state_v_first else 0
+    expected_flags |= flags["g_float32"] if p.g.dtype == torch.float32 else 0
+    expected_flags |= flags["beta_float32"] if p.beta.dtype == torch.float32 else 0
+    expected_flags |= flags["l2norm"] if p.use_qk_l2norm else 0
+    expected_flags |= flags["beta_sigmoid"] if p.use_beta_sigmoid else 0
+    assert (prm.num_chunks, prm.num_seqs, prm.heads, prm.flags) == (tables.num_chunks, 2, 2, expected_flags)
+    assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, p.lower_bound, 2.0 if p.allow_neg_eigval else 1.0)
+    assert prm.workspace != 0
+    assert prepare_args[1:3] == (tables.num_chunks, 2) and prepare_args[8] == 0x5000
+    assert recurrence_args[8] == 0x5000
+
+
+def test_driver_calls_switch_device_only_when_another_is_current(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with forward.on_device(0):  # already current: nothing to switch (and no CUDA needed)
+        pass
+    assert isinstance(forward.on_device(1), torch.cuda.device)
