@@ -12,7 +12,8 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-# steps: all, or one of cuda / bench / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / bench / tests / compare / variants; several: "cuda bench".
+# profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
   # The CUDA path from a clean copy: `pip install .` builds the fatbins with nvcc (no network:
@@ -26,12 +27,52 @@ if [[ $step == all || $step == *cuda* ]]; then
   ls /tmp/kda-install/kda/cuda/*.fatbin
   export PYTHONPATH=/tmp/kda-install:/tmp/site KDA_CUDA=1
   python3 -m kda info
-  KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
-    -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1; tail -15 "$OUT/pytest-cuda.log"
+  if [[ ${CUDA_TESTS:-1} == 1 ]]; then
+    KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
+      -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1; tail -15 "$OUT/pytest-cuda.log"
+  fi
+fi
+if [[ $step == all || $step == *sanitize* ]]; then
+  export PYTHONPATH=/tmp/kda-install:/tmp/site KDA_CUDA=1
+  # --report-api-errors no: cuda-bindings probes driver entry points it may lack through
+  # cuGetProcAddress at cuInit (34 host-side INVALID_VALUE results, run 1); kernel errors still count.
   for tool in memcheck racecheck; do
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/cuda_smoke.py \
+    timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 benchmarks/cuda_smoke.py \
       > "$OUT/sanitizer-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
   done
+fi
+if [[ $step == *quick* ]]; then
+  timeout ${QUICK_TIMEOUT:-150} python3 benchmarks/cuda_quick.py > "$OUT/cuda-quick.log" 2>&1; tail -15 "$OUT/cuda-quick.log"
+fi
+if [[ $step == *profile* ]]; then
+  # Host time of a tiny eager call (cProfile), ncu sections of K1 and K2 on 1x8192 H96,
+  # and K2's time at each CTA width on the anchor cases. PROFILE_PARTS picks among them.
+  parts=${PROFILE_PARTS:-host ncu widths}
+  if [[ $parts == *host* ]]; then
+    timeout 90 python3 benchmarks/cuda_profile.py host > "$OUT/host-profile.log" 2>&1; head -45 "$OUT/host-profile.log"
+  fi
+  if [[ $parts == *ncu* ]]; then
+    timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 2 --launch-count 2 -k regex:kda_ --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section ComputeWorkloadAnalysis --section SourceCounters \
+      python3 benchmarks/cuda_profile.py kernels ${NCU_CASE:-0} > "$OUT/ncu.log" 2>&1
+    grep -E "kda_|Duration|Throughput|Occupancy|Warp Cycles|Eligible|Issued" "$OUT/ncu.log" | head -60
+  fi
+  if [[ $parts == *k1src* ]]; then  # K1's instruction mix, stall reasons and per-SASS-line hot spots
+    timeout 150 ncu --launch-skip 1 --launch-count 1 -k regex:kda_prepare --section InstructionStats \
+      --section WarpStateStats --section SourceCounters --section SpeedOfLight --section Occupancy \
+      python3 benchmarks/cuda_profile.py kernels 0 > "$OUT/ncu-k1.log" 2>&1
+    grep -E "Duration|Throughput|Warp Cycles|Stall|stall|Executed Instructions|Issued" "$OUT/ncu-k1.log" | head -30
+    timeout 150 ncu --launch-skip 1 --launch-count 1 -k regex:kda_prepare --section SourceCounters \
+      --section WarpStateStats --page source --print-source sass --csv \
+      python3 benchmarks/cuda_profile.py kernels 0 > "$OUT/ncu-k1-sass.csv" 2>&1; wc -l "$OUT/ncu-k1-sass.csv"
+  fi
+  if [[ $parts == *widths* ]]; then
+    for warps in ${WIDTHS:-2 4 8}; do
+      KDA_CUDA_WARPS=$warps QUICK_NO_ACCURACY=1 timeout 60 python3 benchmarks/cuda_quick.py > "$OUT/quick-w$warps.log" 2>&1
+      echo "warps $warps"; grep -E "H96|H64|H32|H16" "$OUT/quick-w$warps.log"
+    done
+  fi
 fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"

@@ -52,6 +52,20 @@ def test_params_mirror_matches_the_header():
     prepare = (SOURCES / "prepare.cu").read_text()
     assert f"kStages = {loader.STAGES};" in recurrence
     assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
+    widths = re.findall(r"Stage<(\d+)>::kSharedBytes == (\d+)", recurrence)
+    assert {int(w): int(b) for w, b in widths} == {w: loader.stage_bytes(w) for w in loader.RECURRENCE_WIDTHS}
+    assert all(f"kda_recurrence_w{w}(" in recurrence for w in loader.RECURRENCE_WIDTHS)
+
+
+def test_tile_swizzle_matches_the_header_formula():
+    """loader.swizzle_tiles puts element (r, c) where kda_cuda.cuh tile_offset says (byte
+    r * 256 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2), and undoes itself."""
+    tile = torch.arange(16 * 128, dtype=torch.int32).view(16, 128)
+    stored = loader.swizzle_tiles(tile).flatten()
+    for r in range(16):
+        for c in range(0, 128, 3):
+            assert stored[(r * 256 + ((c // 8) ^ (r % 8)) * 16 + (c % 8) * 2) // 2] == tile[r, c]
+    assert torch.equal(loader.swizzle_tiles(loader.swizzle_tiles(tile)), tile)
 
 
 def test_workspace_layout_matches_the_header():
@@ -108,16 +122,16 @@ def test_longest_sequences_are_scheduled_first():
     assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
-def test_recurrence_width_follows_parallelism():
-    assert recurrence_warps(32) == 1  # 1 x 32768 at H = 32: narrow CTAs to fill 132 SMs
-    assert recurrence_warps(96) == 2
-    assert recurrence_warps(16 * 32) == 4
+def test_recurrence_width_is_four_warps_unless_overridden(monkeypatch):
+    assert recurrence_warps() == 4
+    monkeypatch.setenv("KDA_CUDA_WARPS", "2")
+    assert recurrence_warps() == 2
 
 
 def test_bad_cta_width_override_is_refused(monkeypatch):
     monkeypatch.setenv("KDA_CUDA_WARPS", "3")
     with pytest.raises(ValueError, match="KDA_CUDA_WARPS"):
-        recurrence_warps(96)
+        recurrence_warps()
 
 
 def test_kda_cuda_off_switch(monkeypatch):
@@ -173,6 +187,20 @@ def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, wit
     if sum(seq_lens) >= 256:  # tiny problems: both errors are noise-sized
         assert rel(o, o_ref) <= 1.1 * rel(o_tr, o_ref) + 1e-4
         assert rel(ht, ht_ref) <= 1.1 * rel(ht_tr, ht_ref) + 1e-4
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
+    """lb = -12: the fused gate can decay a 16-token chunk past 2^-116, so K1 must test rows
+    and take the pairwise form (with lb >= -5.02 it skips the test): still fp64-accurate."""
+    case = cuda_case([700, 333], 2, True, "lower_bound", False, True, seed=12)
+    case.g = (case.g.float() + 30.0).to(case.g.dtype)  # gate inputs near saturation: g ~ lb a token
+    o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(lower_bound=-12.0))
+    c64 = case.to(torch.float64)
+    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(lower_bound=-12.0))
+    assert_close_fp64(o, o_ref, 5e-3, "o")
+    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 
 
 @pytest.mark.gpu
@@ -276,8 +304,9 @@ def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on):
                   M=ops["M"].to(torch.bfloat16))  # fmt: skip
     ws = torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda")
     blocks = ws[: tables.num_chunks * p.H * loader.WORKSPACE_BYTES].view(tables.num_chunks, p.H, -1)
-    for name, (offset, _, _) in loader.WORKSPACE_FIELDS.items():
-        raw = fields[name].contiguous().view(torch.uint8).view(tables.num_chunks, p.H, -1)
+    for name, (offset, _, shape) in loader.WORKSPACE_FIELDS.items():
+        field = loader.swizzle_tiles(fields[name]) if shape == (16, 128) else fields[name]
+        raw = field.contiguous().view(torch.uint8).view(tables.num_chunks, p.H, -1)
         blocks[:, :, offset : offset + raw.shape[-1]] = raw
     o, ht = chunk_forward(p, workspace=ws, run_prepare=False)
     o_tr, ht_tr = triton_forward(p)

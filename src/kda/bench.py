@@ -249,6 +249,13 @@ def main(args) -> int:
         print("kda bench needs a CUDA GPU (it times kernels); use `kda compare` on CPU")
         return 1
     calls = contenders()
+    if args.impls:
+        wanted = args.impls.split(",")
+        missing = [name for name in wanted if name not in calls]
+        if missing:
+            print(f"--impls: {missing} not available here; available: {sorted(calls)}")
+            return 1
+        calls = {name: calls[name] for name in wanted}
     copy_tbps = measure_copy_tbps()
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()

@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer, shorter cases")
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
     bench.add_argument("--tag", default="", help="suffix for the result file names (partial runs)")
+    bench.add_argument(
+        "--impls", default=None, help="comma-separated subset of the contenders (e.g. kda-cuda,fla), default: all"
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -21,7 +21,7 @@ import torch
 from kda.validation import Problem
 
 VERIFIED_ON_GPU = False  # flipped by the session whose GPU run passes tests/test_cuda.py
-ALIGNMENT = 16  # bytes: 16-byte vector loads and cp.async of q, k, v
+ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
 
 
 @cache
@@ -72,10 +72,12 @@ class CudaBackend:
         then where the tensors live (so the reasons read the same on any machine)."""
         if p.q.dtype != torch.bfloat16:
             return f"dtype {p.q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
-        if p.K != 128 or p.V != 128:
-            return f"head dims K={p.K}, V={p.V} (the CUDA kernels take K = V = 128)"
-        if p.HV != p.H:
-            return f"grouped value heads HV={p.HV} != H={p.H}"
+        _, _, H, K = p.q.shape  # one shape read each, not one per Problem property
+        _, _, HV, V = p.v.shape
+        if K != 128 or V != 128:
+            return f"head dims K={K}, V={V} (the CUDA kernels take K = V = 128)"
+        if HV != H:
+            return f"grouped value heads HV={HV} != H={H}"
         if p.gate_form == "softplus":
             return "the softplus gate (unbounded; the CUDA kernels take the lower-bound gate or a precomputed g)"
         for name in ("g", "beta"):
@@ -83,19 +85,26 @@ class CudaBackend:
                 return f"`{name}` in {getattr(p, name).dtype} (the CUDA kernels read bfloat16 or float32)"
         if p.requires_grad:
             return "inputs require grad and there is no CUDA backward (use backend='torch')"
-        if p.q.device.type != "cuda":
+        if not p.q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {p.q.device} (needs CUDA tensors)"
-        if _capability(p.q.device.index) != (9, 0):
+        if _capability(p.q.get_device()) != (9, 0):
             return f"tensors on {torch.cuda.get_device_name(p.q.device)}, not an sm_90 GPU"
-        for name in ("q", "k", "v"):
+        for name in ("q", "k", "v", "g"):
             if getattr(p, name).data_ptr() % ALIGNMENT:
                 return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from kda.cuda.forward import chunk_forward
+        return _chunk_forward()(p)
 
-        return chunk_forward(p)
+
+@cache
+def _chunk_forward():
+    """kda.cuda.forward, imported at the first run (it imports Triton for the chunk tables),
+    once: an import statement in run would cost a microsecond per call even when cached."""
+    from kda.cuda.forward import chunk_forward
+
+    return chunk_forward
 
 
 BACKEND = CudaBackend()

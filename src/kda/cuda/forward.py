@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -11,28 +12,44 @@ from kda.dispatch import note
 from kda.triton.common import chunk_tables
 from kda.validation import Problem
 
-SMS_FOR_SPLIT = 132  # H200; only steers the choice of CTA width below
 
-
-def recurrence_warps(pairs: int) -> int:
-    """CTA width of the recurrence (16 V rows per warp): narrow CTAs when few
-    (sequence, head) pairs must fill the GPU, wide ones when there are plenty.
-    ``KDA_CUDA_WARPS`` overrides it (experiments)."""
-    if os.environ.get("KDA_CUDA_WARPS"):
-        warps = os.environ["KDA_CUDA_WARPS"]
-        if warps not in ("1", "2", "4"):
-            raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
-        return int(warps)
-    ctas_at_two_warps = pairs * (loader.HEAD_DIM // 32)
-    if ctas_at_two_warps < 2 * SMS_FOR_SPLIT:
-        return 1
-    if ctas_at_two_warps >= 8 * SMS_FOR_SPLIT:
+def recurrence_warps() -> int:
+    """CTA width of the recurrence (16 V rows per warp). Every CTA takes the whole chunk
+    workspace, so wide CTAs share those copies among more warps: on the H200 four warps
+    matched or beat one, two and eight on every anchor case, even where that leaves SMs
+    idle (benchmarks/NOTES.md, session 4). ``KDA_CUDA_WARPS`` overrides it (experiments)."""
+    warps = os.environ.get("KDA_CUDA_WARPS")
+    if warps is None:
         return 4
-    return 2
+    if warps not in ("1", "2", "4"):
+        raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
+    return int(warps)
 
 
 def workspace_bytes(p: Problem) -> int:
     return max(chunk_tables(p).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
+
+
+# The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
+# building a torch.cuda.Stream object. Absent from CPU-only builds.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device_index: int) -> int:
+    """Torch's current stream on ``device_index`` as a raw handle, asked on every call: a user
+    stream or a CUDA graph capture may have made another one current."""
+    if _current_raw_stream is not None:
+        return _current_raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def on_device(device_index: int) -> contextlib.AbstractContextManager:
+    """Make ``device_index`` torch's current device for the driver calls (its primary context
+    is torch's). When it already is, torch.cuda.device would not switch anything either
+    (torch skips cudaSetDevice for the current device); skipping it saves its Python cost."""
+    if torch.cuda.current_device() == device_index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device_index)
 
 
 def chunk_forward(
@@ -48,7 +65,8 @@ def chunk_forward(
     ``run_prepare=False`` to test K2 alone."""
     kernels = loader.kernels()
     device = p.q.device
-    kernels.configure(device.index if device.index is not None else torch.cuda.current_device())
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    kernels.configure(device_index)
     o = torch.empty_like(p.v) if out is None else out
     ht = None
     if p.output_final_state:
@@ -78,24 +96,24 @@ def chunk_forward(
     def address(x: torch.Tensor | None) -> int:
         return 0 if x is None else x.data_ptr()
 
-    warps = recurrence_warps(p.N * p.H)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    # torch.cuda.device makes the device's primary context (torch's) current for the driver calls.
-    with torch.cuda.device(device), kernels.lock:
-        prm = kernels.params
-        prm.q, prm.k, prm.v, prm.g, prm.beta = (x.data_ptr() for x in (p.q, p.k, p.v, p.g, p.beta))
-        prm.A_log, prm.dt_bias, prm.h0 = address(p.A_log), address(p.dt_bias), address(p.initial_state)
-        prm.ht, prm.o, prm.workspace = address(ht), o.data_ptr(), workspace.data_ptr()
-        prm.seq_offsets, prm.chunk_offsets = tables.seq_offsets.data_ptr(), tables.chunk_offsets.data_ptr()
-        prm.chunk_seq, prm.seq_order = tables.chunk_seq.data_ptr(), tables.seq_order.data_ptr()
-        prm.num_chunks, prm.num_seqs, prm.heads, prm.flags = tables.num_chunks, p.N, p.H, bits
-        prm.scale = p.scale
-        prm.lower_bound = p.lower_bound if p.lower_bound is not None else 0.0
-        prm.beta_scale = 2.0 if p.allow_neg_eigval else 1.0
+    N, H = p.N, p.H
+    warps = recurrence_warps()
+    params = (  # loader.Params, field by field
+        p.q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        address(p.A_log), address(p.dt_bias), address(p.initial_state),
+        address(ht), o.data_ptr(), workspace.data_ptr(),
+        tables.seq_offsets.data_ptr(), tables.chunk_offsets.data_ptr(),
+        tables.chunk_seq.data_ptr(), tables.seq_order.data_ptr(),
+        tables.num_chunks, N, H, bits,
+        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+    )  # fmt: skip
+    stream = current_stream(device_index)
+    with on_device(device_index), kernels.lock:
+        kernels.set_params(params)
         if tables.num_chunks and run_prepare:
-            kernels.launch("kda_prepare", (tables.num_chunks, p.H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch("kda_prepare", (tables.num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
-        grid = (loader.HEAD_DIM // (16 * warps) * p.N * p.H, 1)
+        grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
         kernels.launch(f"kda_recurrence_w{warps}", grid, 32 * warps, loader.stage_bytes(warps), stream)
         note("cuda:recurrence")
     return o, ht

@@ -1,6 +1,7 @@
 // Shared definitions of the two Hopper kernels (prepare.cu, recurrence.cu): the parameter
 // block both take, the per-(chunk, head) workspace layout between them, and the warp-level
-// tensor-core and copy helpers, which are CuTe's SM80/SM75 atoms (mma.sync, ldmatrix, cp.async).
+// tensor-core and copy helpers, which are CuTe's atoms (SM80 mma.sync and cp.async, SM75
+// ldmatrix, SM90 bulk copies with transaction-count mbarriers).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,8 @@
 
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
 namespace kda {
@@ -62,9 +65,9 @@ struct Params {
 constexpr int kParamsFields = 22;
 static_assert(sizeof(Params) == 8 * kParamsFields, "Params must be 8-byte fields only (mirrored in loader.py)");
 
-// Workspace of one (chunk, head), written by prepare and read once by the recurrence.
-// The [16, 128] tiles are row-major by token; the recurrence swizzles them on the way
-// into shared memory.
+// Workspace of one (chunk, head), written by prepare and read once by the recurrence,
+// which copies the whole block into shared memory with one bulk (TMA) copy. The [16, 128]
+// tiles are therefore stored already swizzled for its ldmatrix reads (tile_offset).
 struct WorkspaceLayout {
   static constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16, 128] tile
   static constexpr int kSquareBytes = kChunk * kChunk * 2;  // one bf16 [16, 16] matrix
@@ -78,7 +81,14 @@ struct WorkspaceLayout {
   static constexpr int bytes = gamma + kHeadDim * 4;
 };
 constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;
-static_assert(kWorkspaceBytes % 16 == 0, "workspace rows are copied in 16-byte pieces");
+static_assert(kWorkspaceBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+
+// Byte offset of element (row, col) of a [16, 128] bf16 tile as stored: the 16-byte piece
+// col / 8 of row `row` sits at piece (col / 8) ^ (row % 8), so the eight rows an ldmatrix
+// reads at one piece index land in eight different bank groups.
+__host__ __device__ constexpr int tile_offset(int row, int col) {
+  return row * kHeadDim * 2 + ((((col / 8) ^ (row % 8))) << 4) + (col % 8) * 2;
+}
 
 // ---- warp-level helpers ---------------------------------------------------------------
 
@@ -109,6 +119,47 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
+}
+
+// 2^x and x / y in one or two SFU instructions (relative error ~2^-22; subnormal results
+// flush to zero, far below anything a bf16 output can show).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float sigmoid_scaled(float scale, float x) {
+  return __fdividef(scale, 1.f + exp2_approx(-x * kLog2e));
+}
+
+// A B accumulated on one m16n8k8 tile in "3xTF32": each float operand x is split into
+// hi = x with its low 13 mantissa bits cleared (exactly a tf32 value) and lo = x - hi
+// (exact in float32; the tensor core reads its top 19 bits), and the three largest partial
+// products are summed: close to float32 accuracy on the tensor cores. (cvt.rna.tf32 is
+// emulated with five integer instructions on sm_90; the mask is one.) The three products
+// go to three accumulators, summed by the caller small ones first, so they do not queue.
+struct Tf32x3Accumulators {
+  float hi[4] = {}, lo_a[4] = {}, lo_b[4] = {};
+  __device__ __forceinline__ float sum(int e) const { return (lo_a[e] + lo_b[e]) + hi[e]; }
+};
+
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_3xtf32(Tf32x3Accumulators& d, const float (&a)[4], const float (&b)[2]) {
+  uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+  for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
+  for (int e = 0; e < 2; ++e) split_tf32(b[e], b_hi[e], b_lo[e]);
+  using Tf32 = cute::SM80_16x8x8_F32TF32TF32F32_TN;
+  Tf32::fma(d.lo_a[0], d.lo_a[1], d.lo_a[2], d.lo_a[3], a_lo[0], a_lo[1], a_lo[2], a_lo[3], b_hi[0], b_hi[1],
+            d.lo_a[0], d.lo_a[1], d.lo_a[2], d.lo_a[3]);
+  Tf32::fma(d.lo_b[0], d.lo_b[1], d.lo_b[2], d.lo_b[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_lo[0], b_lo[1],
+            d.lo_b[0], d.lo_b[1], d.lo_b[2], d.lo_b[3]);
+  Tf32::fma(d.hi[0], d.hi[1], d.hi[2], d.hi[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_hi[0], b_hi[1], d.hi[0],
+            d.hi[1], d.hi[2], d.hi[3]);
 }
 
 // 16-byte global -> shared copy; zero-fills the destination when !valid.

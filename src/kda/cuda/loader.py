@@ -3,15 +3,18 @@
 The build (``CMakeLists.txt``) leaves ``prepare.fatbin`` and ``recurrence.fatbin`` beside
 this file. They are loaded once per process as context-independent libraries
 (``cuLibraryLoadData``), so one load serves every GPU, and launched with ``cuLaunchKernel``
-on torch's current stream. Both kernels take one by-value :class:`Params` block; its bytes
-live in a ctypes structure filled in place, and the launch passes the address of a
-prebuilt one-entry pointer array, so no per-call argument packing happens in Python.
+on torch's current stream: libcuda's own entry point called through ctypes, or
+cuda-bindings' wrapper where ``libcuda.so.1`` cannot be opened by name. Both kernels take
+one by-value :class:`Params` block; its bytes live in a ctypes structure filled in place
+with one ``struct.pack_into``, and the launch passes the address of a prebuilt one-entry
+pointer array, so no per-call argument packing happens in Python.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import sys
 import threading
 from functools import cache
@@ -30,7 +33,8 @@ WORKSPACE_FIELDS = {
     "gamma": (13824, "float32", (128,)),
 }
 STAGES = 3  # recurrence.cu: kStages
-PREPARE_THREADS = 256  # prepare.cu: kThreads
+PREPARE_THREADS = 128  # prepare.cu: kThreads
+RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA: one entry point each
 HEAD_DIM = 128
 
 FLAGS = {  # kda_cuda.cuh: the Params::flags bits
@@ -61,16 +65,53 @@ class Params(ctypes.Structure):
 
 
 assert ctypes.sizeof(Params) == 8 * 22, "Params must match kda::Params (kParamsFields = 22)"
+# Params as one struct.pack_into (the ctypes fields' own type codes, native layout): filling
+# the block per call then costs one C call instead of 22 ctypes attribute sets (0.45 us vs 1.3).
+PARAMS_LAYOUT = struct.Struct("@" + "".join(ctype._type_ for _, ctype in Params._fields_))
+assert PARAMS_LAYOUT.size == ctypes.sizeof(Params)
+
+
+def driver_launch():
+    """libcuda's ``cuLaunchKernel`` as a ctypes function, or None where ``libcuda.so.1``
+    cannot be opened (launches then go through cuda-bindings, whose wrapper spends several
+    microseconds a launch building argument objects and a result tuple).
+
+    The C signature: ``CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY,
+    gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, CUstream hStream,
+    void **kernelParams, void **extra)``. No argtypes, which would double the cost of the
+    call to about a microsecond: :meth:`Kernels.launch` passes every pointer as a
+    ``c_void_p`` object (a bare Python int would go as a 32-bit C int, cut) and the sizes as
+    Python ints, which go as 32-bit C ints, the width of the unsigned ints (the grid and
+    block sizes and shared bytes of these kernels are far below 2**32)."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    launch = libcuda.cuLaunchKernel
+    launch.restype = ctypes.c_int
+    return launch
 
 
 def stage_bytes(warps: int) -> int:
-    """Dynamic shared memory of the recurrence: kStages x (workspace + [16, 16 * warps] v tile)."""
-    return STAGES * (WORKSPACE_BYTES + 16 * 16 * warps * 2)
+    """Dynamic shared memory of the recurrence (recurrence.cu, Stage::kSharedBytes): kStages x
+    (workspace + 16 v rows of 32 * warps bytes padded by 16) + a 512-byte output tile per warp."""
+    return STAGES * (WORKSPACE_BYTES + 16 * (32 * warps + 16)) + 512 * warps
+
+
+def swizzle_tiles(tiles):
+    """Row-major ``[..., 16, 128]`` tiles <-> the stored layout of kda_cuda.cuh ``tile_offset``
+    (16-byte piece c of row r at piece c ^ (r % 8)). The map is its own inverse."""
+    import torch
+
+    rows = torch.arange(16, device=tiles.device)[:, None]
+    pieces = torch.arange(16, device=tiles.device)[None, :] ^ (rows % 8)
+    grouped = tiles.reshape(*tiles.shape[:-1], 16, 8)  # [..., row, piece, 8]
+    return grouped[..., rows, pieces, :].reshape(tiles.shape)
 
 
 def workspace_views(workspace, num_chunks: int, heads: int) -> dict:
-    """Named views ``[num_chunks, heads, *shape]`` into K1's workspace bytes (tests compare
-    them with the Triton prepare stage; no copy)."""
+    """Named row-major copies ``[num_chunks, heads, *shape]`` of K1's workspace fields (tests
+    compare them with the Triton prepare stage)."""
     import torch
 
     blocks = workspace[: num_chunks * heads * WORKSPACE_BYTES].view(num_chunks, heads, WORKSPACE_BYTES)
@@ -79,6 +120,8 @@ def workspace_views(workspace, num_chunks: int, heads: int) -> dict:
         dt = getattr(torch, dtype)
         size = dt.itemsize * int(torch.Size(shape).numel())
         views[name] = blocks[:, :, offset : offset + size].contiguous().view(dt).view(num_chunks, heads, *shape)
+        if shape == (16, 128):
+            views[name] = swizzle_tiles(views[name])
     return views
 
 
@@ -125,7 +168,7 @@ class Kernels:
         self.kernels = {}
         entry_points = {
             "prepare.fatbin": ("kda_prepare",),
-            "recurrence.fatbin": tuple(f"kda_recurrence_w{warps}" for warps in (1, 2, 4)),
+            "recurrence.fatbin": tuple(f"kda_recurrence_w{warps}" for warps in RECURRENCE_WIDTHS),
         }
         for artefact, names in entry_points.items():
             image = (folder / artefact).read_bytes()
@@ -137,6 +180,14 @@ class Kernels:
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self.configured_devices: set[int] = set()
         self.lock = threading.Lock()
+        self.direct_launch = driver_launch()
+        # The direct launch's pointer arguments that never change, as ctypes pointers once.
+        self.handles = {name: ctypes.c_void_p(int(kernel)) for name, kernel in self.kernels.items()}
+        self.arguments_pointer = ctypes.c_void_p(ctypes.addressof(self.argument_array))
+
+    def set_params(self, values: tuple) -> None:
+        """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
+        PARAMS_LAYOUT.pack_into(self.params, 0, *values)
 
     def configure(self, device_index: int) -> None:
         """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB)."""
@@ -145,7 +196,7 @@ class Kernels:
         driver = self.driver
         device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for warps in (1, 2, 4):
+        for warps in RECURRENCE_WIDTHS:
             kernel = self.kernels[f"kda_recurrence_w{warps}"]
             check(driver.cuKernelSetAttribute(attribute, stage_bytes(warps), kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
@@ -153,13 +204,29 @@ class Kernels:
     def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
         """Launch ``name`` with the current contents of :attr:`params` (the driver copies
         them at launch, so the block may be refilled for the next launch at once)."""
-        check(
-            self.driver.cuLaunchKernel(
-                self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem,
-                stream, ctypes.addressof(self.argument_array), 0,
-            ),
-            f"launching {name}",
+        if self.direct_launch is None:
+            check(
+                self.driver.cuLaunchKernel(
+                    self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem,
+                    stream, ctypes.addressof(self.argument_array), 0,
+                ),
+                f"launching {name}",
+            )  # fmt: skip
+            return
+        status = self.direct_launch(
+            self.handles[name], grid[0], grid[1], 1, threads, 1, 1, smem,
+            ctypes.c_void_p(stream), self.arguments_pointer, None,
         )  # fmt: skip
+        if status:
+            self.launch_failed(name, status)
+
+    def launch_failed(self, name: str, status: int) -> None:
+        """Raise :class:`CudaError` for a failed direct launch, with the driver's own text."""
+        try:
+            error = self.driver.CUresult(status)
+        except ValueError:  # a code newer than this cuda-bindings
+            raise CudaError(f"launching {name} failed: CUresult {status}") from None
+        check((error,), f"launching {name}")
 
 
 @cache

@@ -12,8 +12,8 @@
 //
 // S^T and U^T are always the left operand, and an accumulator tile is already laid out as
 // the left operand of the next MMA, so the serial chain S -> U -> S stays in registers.
-// The chunk's workspace (14 KB) and v tile stream into shared memory through a 3-stage
-// cp.async pipeline, tiles swizzled so that ldmatrix reads are conflict-free.
+// The chunk's workspace (14 KB, tiles stored swizzled by K1) and v slice stream into shared
+// memory through a 3-stage pipeline of bulk (TMA) copies on transaction-count mbarriers.
 // inverse_beta enters as a bf16 pair (hi + lo) so that U keeps ~16 bits of it.
 // CTAs take (sequence, head) pairs longest sequence first (Params::seq_order).
 #include "kda_cuda.cuh"
@@ -24,38 +24,41 @@ namespace {
 constexpr int kStages = 3;
 constexpr uint32_t kNegateBf16x2 = 0x80008000u;
 
+// One pipeline stage: the chunk's workspace block as K1 stored it (tiles already swizzled),
+// then the CTA's [16, BV] slice of v, rows padded by 16 bytes so that the eight rows an
+// ldmatrix.trans reads fall in distinct bank groups.
 template <int WARPS>
 struct Stage {
   static constexpr int kBV = 16 * WARPS;
-  static constexpr int kVTileBytes = kChunk * kBV * 2;
-  static constexpr int kBytes = kWorkspaceBytes + kVTileBytes;
+  static constexpr int kVRowBytes = kBV * 2;
+  static constexpr int kVRowStride = kVRowBytes + 16;
+  static constexpr int kBytes = kWorkspaceBytes + kChunk * kVRowStride;
+  static constexpr int kOutBytes = kChunk * 16 * 2;  // per warp: O^T staged as [16 tokens, 16 v] bf16
+  static constexpr int kSharedBytes = kStages * kBytes + WARPS * kOutBytes;  // mirrored in loader.py
 };
 
-// Byte offset of 16-byte piece `chunk16` of row `row` in a swizzled [16, 128] bf16 tile.
-__device__ __forceinline__ int swizzled(int row, int chunk16) { return row * 256 + ((chunk16 ^ (row & 7)) << 4); }
+static_assert(Stage<1>::kSharedBytes == 45824 && Stage<2>::kSharedBytes == 47872 && Stage<4>::kSharedBytes == 51968,
+              "shared memory per width: mirrored by loader.stage_bytes");
 
+// Warp 0 fills a stage with bulk (TMA) copies that complete on the stage's mbarrier: the
+// workspace block in one copy, the v slice one row per lane. Rows past the sequence end are
+// zero-filled here instead (never read from past the end of v).
 template <int WARPS>
-__device__ __forceinline__ void load_stage(unsigned char* stage, const unsigned char* ws, const Params& p,
-                                           int64_t t0, int64_t eos, int64_t h, int v0) {
-  using WS = WorkspaceLayout;
-  constexpr int kTilePieces = WS::kTileBytes / 16;
-  constexpr int kSwizzledPieces = 3 * kTilePieces;  // q_decayed, w, k_restored
-  for (int piece = threadIdx.x; piece < kWorkspaceBytes / 16; piece += 32 * WARPS) {
-    int dst = piece * 16;
-    if (piece < kSwizzledPieces) {
-      const int tile = piece / kTilePieces, in_tile = piece % kTilePieces;
-      dst = tile * WS::kTileBytes + swizzled(in_tile / 16, in_tile % 16);
-    }
-    copy_async_16(stage + dst, ws + piece * 16, true);
+__device__ __forceinline__ void load_stage(unsigned char* stage, uint64_t& full, const unsigned char* ws,
+                                           const Params& p, int64_t t0, int64_t eos, int64_t h, int v0) {
+  using S = Stage<WARPS>;
+  const int lane = threadIdx.x % 32;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - t0));
+  if (lane == 0) {
+    cute::set_barrier_transaction_bytes(full, kWorkspaceBytes + rows * S::kVRowBytes);
+    cute::SM90_BULK_COPY_G2S::copy(ws, &full, stage, kWorkspaceBytes);
   }
-  constexpr int kRowPieces = Stage<WARPS>::kBV / 8;
-  unsigned char* v_tile = stage + kWorkspaceBytes;
-  for (int piece = threadIdx.x; piece < kChunk * kRowPieces; piece += 32 * WARPS) {
-    const int row = piece / kRowPieces, col = (piece % kRowPieces) * 8;
-    const int64_t tok = t0 + row;
-    const bool valid = tok < eos;  // rows past the end are zero-filled
-    const __nv_bfloat16* src = p.v + (valid ? (tok * p.heads + h) * kHeadDim + v0 + col : 0);
-    copy_async_16(v_tile + (row * Stage<WARPS>::kBV + col) * 2, src, valid);
+  __syncwarp();  // the expected byte count is posted before any row copy can complete
+  unsigned char* row = stage + kWorkspaceBytes + lane * S::kVRowStride;
+  if (lane < rows) {
+    cute::SM90_BULK_COPY_G2S::copy(p.v + ((t0 + lane) * p.heads + h) * kHeadDim + v0, &full, row, S::kVRowBytes);
+  } else if (lane < kChunk) {
+    for (int b = 0; b < S::kVRowBytes; b += 16) *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -93,19 +96,27 @@ __device__ __forceinline__ void recurrence(const Params& p) {
                      ? p.h0[state_index(p, nh, v_warp + lane.g + 8 * (e / 2), 8 * j + 2 * lane.t + e % 2)]
                      : 0.f;
 
+  __shared__ uint64_t full[kStages];  // stage s holds chunk i (i % kStages == s) once its phase completes
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) cute::initialize_barrier(full[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
   auto ws_of = [&](int64_t i) { return p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes; };
   auto stage_of = [&](int64_t i) { return smem + (i % kStages) * Stage<WARPS>::kBytes; };
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < num_chunks) load_stage<WARPS>(stage_of(i), ws_of(i), p, bos + i * kChunk, eos, h, v0);
-    cute::cp_async_fence();
-  }
+  auto load = [&](int64_t i) {
+    load_stage<WARPS>(stage_of(i), full[i % kStages], ws_of(i), p, bos + i * kChunk, eos, h, v0);
+  };
+  if (warp == 0)
+    for (int i = 0; i < kStages - 1 && i < num_chunks; ++i) load(i);
+  __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
+                                                             warp * Stage<WARPS>::kOutBytes);
 
   for (int64_t i = 0; i < num_chunks; ++i) {
-    cute::cp_async_wait<kStages - 2>();
-    __syncthreads();
+    cute::wait_barrier(full[i % kStages], static_cast<int>((i / kStages) & 1));
+    __syncthreads();  // every warp is done with chunk i - 1, whose stage is refilled next
     const int64_t ahead = i + kStages - 1;
-    if (ahead < num_chunks) load_stage<WARPS>(stage_of(ahead), ws_of(ahead), p, bos + ahead * kChunk, eos, h, v0);
-    cute::cp_async_fence();
+    if (warp == 0 && ahead < num_chunks) load(ahead);
 
     const unsigned char* st = stage_of(i);
     const unsigned char* tile_qd = st + WS::q_decayed;
@@ -128,7 +139,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     // U^T = V^T inverse_beta^T - S^T w^T; V^T comes from the row-major v tile by ldmatrix.trans.
     float U[2][4] = {};
     uint32_t aV[4];
-    ldmatrix_x4_trans(aV, v_tile + ((r_lo + 8 * sel_b) * Stage<WARPS>::kBV + warp * 16 + 8 * sel_a) * 2);
+    ldmatrix_x4_trans(aV, v_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(U[nt], aV, ib_hi[row], ib_hi[row + 4]);
@@ -137,7 +148,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     for (int kk = 0; kk < 8; ++kk) {
       uint32_t bw[4];
       const int row = r_lo + 8 * sel_b;
-      ldmatrix_x4(bw, tile_w + swizzled(row, 2 * kk + sel_a));
+      ldmatrix_x4(bw, tile_w + tile_offset(row, 8 * (2 * kk + sel_a)));
       const uint32_t neg[4] = {aS[kk][0] ^ kNegateBf16x2, aS[kk][1] ^ kNegateBf16x2, aS[kk][2] ^ kNegateBf16x2,
                                aS[kk][3] ^ kNegateBf16x2};
       mma_bf16(U[0], neg, bw[0], bw[1]);
@@ -156,7 +167,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     }
     for (int jp = 0; jp < 8; ++jp) {
       uint32_t bk[4];
-      ldmatrix_x4_trans(bk, tile_kr + swizzled(r_lo + 8 * sel_a, 2 * jp + sel_b));
+      ldmatrix_x4_trans(bk, tile_kr + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
       mma_bf16(St[2 * jp], aU, bk[0], bk[1]);
       mma_bf16(St[2 * jp + 1], aU, bk[2], bk[3]);
     }
@@ -165,7 +176,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     float O[2][4] = {};
     for (int kk = 0; kk < 8; ++kk) {
       uint32_t bq[4];
-      ldmatrix_x4(bq, tile_qd + swizzled(r_lo + 8 * sel_b, 2 * kk + sel_a));
+      ldmatrix_x4(bq, tile_qd + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
       mma_bf16(O[0], aS[kk], bq[0], bq[1]);
       mma_bf16(O[1], aS[kk], bq[2], bq[3]);
     }
@@ -173,12 +184,16 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
-    const int64_t t0 = bos + i * kChunk;
+    // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t tok = t0 + 8 * nt + 2 * lane.t + e % 2;
-        if (tok < eos) p.o[(tok * p.heads + h) * kHeadDim + v_warp + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
-      }
+      for (int e = 0; e < 4; ++e)
+        out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
+    __syncwarp();
+    const int64_t tok = bos + i * kChunk + lane.l / 2;
+    if (tok < eos)
+      *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
+          reinterpret_cast<const uint4*>(out_tile)[lane.l];
+    __syncwarp();
   }
 
   if (p.flags & kStoreHt)
