@@ -25,7 +25,7 @@ if [[ $step == all || $step == *cuda* ]]; then
   timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index --target /tmp/kda-install . \
     > "$OUT/pip-install.log" 2>&1; tail -3 "$OUT/pip-install.log"
   ls /tmp/kda-install/kda/cuda/*.fatbin
-  export PYTHONPATH=/tmp/kda-install:/tmp/site KDA_CUDA=1
+  export PYTHONPATH=/tmp/kda-install:/tmp/site
   python3 -m kda info
   if [[ ${CUDA_TESTS:-1} == 1 ]]; then
     KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
@@ -33,7 +33,7 @@ if [[ $step == all || $step == *cuda* ]]; then
   fi
 fi
 if [[ $step == all || $step == *sanitize* ]]; then
-  export PYTHONPATH=/tmp/kda-install:/tmp/site KDA_CUDA=1
+  export PYTHONPATH=/tmp/kda-install:/tmp/site
   # --report-api-errors no: cuda-bindings probes driver entry points it may lack through
   # cuGetProcAddress at cuInit (34 host-side INVALID_VALUE results, run 1); kernel errors still count.
   for tool in memcheck racecheck; do

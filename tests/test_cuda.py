@@ -122,10 +122,10 @@ def test_longest_sequences_are_scheduled_first():
     assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
-def test_recurrence_width_is_four_warps_unless_overridden(monkeypatch):
-    assert recurrence_warps() == 4
-    monkeypatch.setenv("KDA_CUDA_WARPS", "2")
+def test_recurrence_width_is_two_warps_unless_overridden(monkeypatch):
     assert recurrence_warps() == 2
+    monkeypatch.setenv("KDA_CUDA_WARPS", "4")
+    assert recurrence_warps() == 4
 
 
 def test_bad_cta_width_override_is_refused(monkeypatch):
@@ -149,7 +149,8 @@ cuda_ready = pytest.mark.skipif(
 
 @pytest.fixture
 def cuda_on(monkeypatch):
-    monkeypatch.setenv("KDA_CUDA", "1")
+    """The backend is on unless KDA_CUDA=0: these tests drop that switch."""
+    monkeypatch.delenv("KDA_CUDA", raising=False)
 
 
 def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0):
@@ -176,7 +177,8 @@ def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0
 )
 def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, steep, seed):
     case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=steep)
-    with mock.patch.dict(os.environ, {"KDA_CUDA": "1"}), kda.record_dispatch() as events:
+    with mock.patch.dict(os.environ), kda.record_dispatch() as events:
+        os.environ.pop("KDA_CUDA", None)  # on unless turned off (hypothesis examples share no fixtures)
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
     assert "cuda:recurrence" in events
     o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs())
@@ -192,13 +194,15 @@ def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, wit
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
-    """lb = -12: the fused gate can decay a 16-token chunk past 2^-116, so K1 must test rows
-    and take the pairwise form (with lb >= -5.02 it skips the test): still fp64-accurate."""
+    """lb = -12 (allowed with safe_gate=False): the fused gate can decay a 16-token chunk past
+    2^-116, so K1 must test rows and take the pairwise form (with lb >= -5.02 it skips the
+    test): still fp64-accurate."""
     case = cuda_case([700, 333], 2, True, "lower_bound", False, True, seed=12)
     case.g = (case.g.float() + 30.0).to(case.g.dtype)  # gate inputs near saturation: g ~ lb a token
-    o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(lower_bound=-12.0))
+    steep = dict(lower_bound=-12.0, safe_gate=False)
+    o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**steep))
     c64 = case.to(torch.float64)
-    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(lower_bound=-12.0))
+    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(**steep))
     assert_close_fp64(o, o_ref, 5e-3, "o")
     assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 

@@ -14,13 +14,12 @@ from kda.validation import Problem
 
 
 def recurrence_warps() -> int:
-    """CTA width of the recurrence (16 V rows per warp). Every CTA takes the whole chunk
-    workspace, so wide CTAs share those copies among more warps: on the H200 four warps
-    matched or beat one, two and eight on every anchor case, even where that leaves SMs
-    idle (benchmarks/NOTES.md, session 4). ``KDA_CUDA_WARPS`` overrides it (experiments)."""
+    """Consumer warps per recurrence CTA (16 V rows each, plus one producer warp). With the
+    producer issuing the copies, two consumer warps beat four on all seven bench cases on the
+    H200 (benchmarks/NOTES.md, session 4, run 6). ``KDA_CUDA_WARPS`` overrides it."""
     warps = os.environ.get("KDA_CUDA_WARPS")
     if warps is None:
-        return 4
+        return 2
     if warps not in ("1", "2", "4"):
         raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
     return int(warps)
@@ -114,6 +113,7 @@ def chunk_forward(
             kernels.launch("kda_prepare", (tables.num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
-        kernels.launch(f"kda_recurrence_w{warps}", grid, 32 * warps, loader.stage_bytes(warps), stream)
+        threads = 32 * (warps + 1)  # the consumer warps and one producer warp
+        kernels.launch(f"kda_recurrence_w{warps}", grid, threads, loader.stage_bytes(warps), stream)
         note("cuda:recurrence")
     return o, ht

@@ -1,8 +1,8 @@
 // K2, recurrence: sequential over the chunks of a sequence, parallel over (sequence, head)
 // pairs and slices of V.
 //
-// A CTA of WARPS warps owns 16 * WARPS rows of the VK state of one (sequence, head); each
-// warp owns 16 rows, S^T [16, 128], in float32 mma.sync accumulators for the whole sequence
+// A CTA of WARPS consumer warps (plus a producer warp) owns 16 * WARPS rows of the VK state
+// of one (sequence, head); each consumer warp owns 16 rows, S^T [16, 128], in float32 mma.sync accumulators for the whole sequence
 // (64 registers a thread). Rows of the VK state evolve independently, so the V split needs
 // no exchange. Per chunk, transposed as in kda/triton/recurrence.py:
 //
@@ -13,7 +13,9 @@
 // S^T and U^T are always the left operand, and an accumulator tile is already laid out as
 // the left operand of the next MMA, so the serial chain S -> U -> S stays in registers.
 // The chunk's workspace (14 KB, tiles stored swizzled by K1) and v slice stream into shared
-// memory through a 3-stage pipeline of bulk (TMA) copies on transaction-count mbarriers.
+// memory through a 3-stage pipeline of bulk (TMA) copies on transaction-count mbarriers,
+// issued by one producer warp: the WARPS consumer warps never wait on one another, only on
+// their data (full barriers); the producer waits for a stage to be empty before refilling.
 // inverse_beta enters as a bf16 pair (hi + lo) so that U keeps ~16 bits of it.
 // CTAs take (sequence, head) pairs longest sequence first (Params::seq_order).
 #include "kda_cuda.cuh"
@@ -40,26 +42,23 @@ struct Stage {
 static_assert(Stage<1>::kSharedBytes == 45824 && Stage<2>::kSharedBytes == 47872 && Stage<4>::kSharedBytes == 51968,
               "shared memory per width: mirrored by loader.stage_bytes");
 
-// Warp 0 fills a stage with bulk (TMA) copies that complete on the stage's mbarrier: the
-// workspace block in one copy, the v slice one row per lane. Rows past the sequence end are
-// zero-filled here instead (never read from past the end of v).
+// The producer warp fills a stage with bulk (TMA) copies that complete on the stage's
+// mbarrier: the workspace block in one copy, the v slice one row per lane, valid rows only
+// (never read past the end of v). Rows past the sequence end hold stale bytes, which the
+// consumers mask out of their V fragments; the producer writes no shared memory itself.
 template <int WARPS>
 __device__ __forceinline__ void load_stage(unsigned char* stage, uint64_t& full, const unsigned char* ws,
-                                           const Params& p, int64_t t0, int64_t eos, int64_t h, int v0) {
+                                           const Params& p, int64_t t0, int rows, int64_t h, int v0) {
   using S = Stage<WARPS>;
   const int lane = threadIdx.x % 32;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - t0));
   if (lane == 0) {
     cute::set_barrier_transaction_bytes(full, kWorkspaceBytes + rows * S::kVRowBytes);
     cute::SM90_BULK_COPY_G2S::copy(ws, &full, stage, kWorkspaceBytes);
   }
   __syncwarp();  // the expected byte count is posted before any row copy can complete
-  unsigned char* row = stage + kWorkspaceBytes + lane * S::kVRowStride;
-  if (lane < rows) {
-    cute::SM90_BULK_COPY_G2S::copy(p.v + ((t0 + lane) * p.heads + h) * kHeadDim + v0, &full, row, S::kVRowBytes);
-  } else if (lane < kChunk) {
-    for (int b = 0; b < S::kVRowBytes; b += 16) *reinterpret_cast<uint4*>(row + b) = make_uint4(0, 0, 0, 0);
-  }
+  if (lane < rows)
+    cute::SM90_BULK_COPY_G2S::copy(p.v + ((t0 + lane) * p.heads + h) * kHeadDim + v0, &full,
+                                   stage + kWorkspaceBytes + lane * S::kVRowStride, S::kVRowBytes);
 }
 
 // Fragment coordinates of lane l in an m16n8k16 accumulator tile: element e sits at row
@@ -90,33 +89,39 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const int64_t c_first = p.chunk_offsets[n], num_chunks = p.chunk_offsets[n + 1] - c_first;
 
   float St[16][4];  // S^T rows v_warp..+15; tile j holds key channels 8j..8j+7
-  for (int j = 0; j < 16; ++j)
-    for (int e = 0; e < 4; ++e)
-      St[j][e] = (p.flags & kHasH0)
-                     ? p.h0[state_index(p, nh, v_warp + lane.g + 8 * (e / 2), 8 * j + 2 * lane.t + e % 2)]
-                     : 0.f;
+  if (warp < WARPS)
+    for (int j = 0; j < 16; ++j)
+      for (int e = 0; e < 4; ++e)
+        St[j][e] = (p.flags & kHasH0)
+                       ? p.h0[state_index(p, nh, v_warp + lane.g + 8 * (e / 2), 8 * j + 2 * lane.t + e % 2)]
+                       : 0.f;
 
-  __shared__ uint64_t full[kStages];  // stage s holds chunk i (i % kStages == s) once its phase completes
+  // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
+  // empty[s]: every consumer warp is done reading it.
+  __shared__ uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) cute::initialize_barrier(full[s], 1);
+    for (int s = 0; s < kStages; ++s) {
+      cute::initialize_barrier(full[s], 1);
+      cute::initialize_barrier(empty[s], WARPS);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  auto ws_of = [&](int64_t i) { return p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes; };
   auto stage_of = [&](int64_t i) { return smem + (i % kStages) * Stage<WARPS>::kBytes; };
-  auto load = [&](int64_t i) {
-    load_stage<WARPS>(stage_of(i), full[i % kStages], ws_of(i), p, bos + i * kChunk, eos, h, v0);
-  };
-  if (warp == 0)
-    for (int i = 0; i < kStages - 1 && i < num_chunks; ++i) load(i);
+  if (warp == WARPS) {  // the producer warp: runs up to kStages chunks ahead of the consumers
+    for (int64_t i = 0; i < num_chunks; ++i) {
+      if (i >= kStages) cute::wait_barrier(empty[i % kStages], static_cast<int>((i / kStages - 1) & 1));
+      const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - i * kChunk));
+      load_stage<WARPS>(stage_of(i), full[i % kStages],
+                        p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, rows, h, v0);
+    }
+    return;
+  }
   __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
                                                              warp * Stage<WARPS>::kOutBytes);
 
   for (int64_t i = 0; i < num_chunks; ++i) {
     cute::wait_barrier(full[i % kStages], static_cast<int>((i / kStages) & 1));
-    __syncthreads();  // every warp is done with chunk i - 1, whose stage is refilled next
-    const int64_t ahead = i + kStages - 1;
-    if (warp == 0 && ahead < num_chunks) load(ahead);
 
     const unsigned char* st = stage_of(i);
     const unsigned char* tile_qd = st + WS::q_decayed;
@@ -140,6 +145,13 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     float U[2][4] = {};
     uint32_t aV[4];
     ldmatrix_x4_trans(aV, v_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
+    const int64_t rows = eos - bos - i * kChunk;
+    if (rows < kChunk) {  // the tail: tokens 2t, 2t + 1 (registers 0, 1) and 2t + 8, 2t + 9 (2, 3)
+      for (int r = 0; r < 4; ++r) {
+        const int token = 2 * lane.t + 8 * (r / 2);
+        aV[r] &= (token < rows ? 0x0000ffffu : 0u) | (token + 1 < rows ? 0xffff0000u : 0u);
+      }
+    }
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(U[nt], aV, ib_hi[row], ib_hi[row + 4]);
@@ -184,6 +196,8 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
+    __syncwarp();
+    if (lane.l == 0) cute::arrive_barrier(empty[i % kStages]);  // this warp is done with the stage
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
       for (int e = 0; e < 4; ++e)
@@ -204,9 +218,10 @@ __device__ __forceinline__ void recurrence(const Params& p) {
 
 }  // namespace
 
-// One entry point per CTA width; the loader picks by parallelism (kda/cuda/loader.py).
-extern "C" __global__ void __launch_bounds__(32) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
-extern "C" __global__ void __launch_bounds__(64) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
-extern "C" __global__ void __launch_bounds__(128) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
+// One entry point per width, each with one more warp, the producer. Four consumer warps:
+// two CTAs must fit an SM, so registers are capped at 200 (2 x 160 x 200 <= 65536).
+extern "C" __global__ void __launch_bounds__(64) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
+extern "C" __global__ void __launch_bounds__(96) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
+extern "C" __global__ void __maxnreg__(200) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
 
 }  // namespace kda
