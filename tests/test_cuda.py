@@ -109,6 +109,16 @@ def test_unsupported_calls_are_refused_with_the_feature_named(name, over, reason
     assert reason in BACKEND.rejects(p)
 
 
+@pytest.mark.parametrize("where", ["initial", "final"])
+def test_bfloat16_states_are_refused(where):
+    case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=2)
+    if where == "initial":
+        case.initial_state = case.initial_state.to(torch.bfloat16)
+    kw = case.kwargs(final_state_dtype=torch.bfloat16) if where == "final" else case.kwargs()
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
+    assert "bfloat16 states" in BACKEND.rejects(p)
+
+
 def test_requires_grad_is_refused():
     case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=2)
     q = case.q.clone().requires_grad_()

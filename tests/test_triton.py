@@ -127,6 +127,23 @@ def test_prefill_then_decode_equals_one_prefill():
     assert rel(state, ht) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bfloat16_states_in_and_out(backend):
+    """kda's extension of fla's API: a bf16 initial state is read (and carried in float32), and
+    final_state_dtype=torch.bfloat16 returns the final state in bf16, within bf16 rounding of
+    the float64 reference run from the same (bf16-valued) initial state."""
+    case = make_case(seq_lens=[20, 7], H=2, K=16, V=16, dtype=torch.bfloat16, state_v_first=True,
+                     device=DEVICE, seed=13)  # fmt: skip
+    case.initial_state = case.initial_state.to(torch.bfloat16)
+    o, ht = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs(final_state_dtype=torch.bfloat16))
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.bfloat16
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, BAR[torch.bfloat16], "o")
+    assert_close_fp64(ht, ht_ref, BAR[torch.bfloat16], "final state")
+    _, ht32 = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
+    assert ht32.dtype == torch.float32 and rel(ht, ht32) <= 2**-8  # the same state, rounded to bf16
+
+
 def test_requires_grad_is_refused_with_reason():
     case = make_case(T=8, H=1, K=16, V=16, device=DEVICE, seed=11)
     q = case.q.clone().requires_grad_()

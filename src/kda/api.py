@@ -31,6 +31,7 @@ def chunk_kda(
     cu_seqlens_cpu: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    final_state_dtype: torch.dtype | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention forward, chunked (prefill and training shapes).
@@ -44,7 +45,8 @@ def chunk_kda(
             ``use_gate_in_kernel``; q's dtype or float32.
         beta: write strengths ``[B, T, HV]``, or logits with ``use_beta_sigmoid_in_kernel``.
         scale: query scale, default ``K ** -0.5``.
-        initial_state: float32 ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``.
+        initial_state: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``; float32,
+            or bfloat16 (a kda extension: fla takes float32 only); float64 with float64 inputs.
         output_final_state: also return the state after the last token of each sequence.
         use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6 under the square root).
         use_gate_in_kernel: ``g`` is raw; the gate is ``lower_bound * sigmoid(exp(A_log) *
@@ -63,10 +65,13 @@ def chunk_kda(
         backend: ``"auto"`` (CUDA, then Triton, then torch, the first that supports the
             call), ``"cuda"``, ``"triton"`` or ``"torch"``. An explicit backend that cannot
             run the call raises :class:`kda.BackendUnavailableError` saying why.
+        final_state_dtype: kda only: ``torch.bfloat16`` returns the final state in bfloat16
+            (the state is carried in float32 either way); None: float32, as fla.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state float32 in the
-        layout of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in
+        ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
+        of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
     problem = validation.check_chunk_kda(locals(), kwargs)
     return dispatch.select(problem, backend).run(problem)
@@ -92,6 +97,7 @@ def fused_recurrent_kda(
     cu_seqlens: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    final_state_dtype: torch.dtype | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention forward, token by token (decode shapes).

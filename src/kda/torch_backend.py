@@ -62,7 +62,7 @@ class TorchBackend:
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         o, ht = run_reference(p, p.state_dtype, recurrent=p.op == "fused_recurrent_kda")
-        return o.to(p.q.dtype), (None if ht is None else ht.to(p.state_dtype))
+        return o.to(p.q.dtype), (None if ht is None else ht.to(p.final_state_dtype))
 
 
 BACKEND = TorchBackend()

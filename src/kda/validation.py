@@ -48,6 +48,7 @@ class Problem:
     cu_seqlens_cpu: torch.Tensor | None  # host copy of cu_seqlens (given, or made when checking it)
     cu_seqlens_values: tuple[int, ...] | None  # cu_seqlens as Python ints (the chunk tables' cache key)
     requires_grad: bool  # autograd will want a backward through this call
+    final_state_dtype: torch.dtype  # of the returned final state: float32 (fla's) unless asked otherwise
 
     @property
     def B(self) -> int:
@@ -94,6 +95,7 @@ class Problem:
 
     @property
     def state_dtype(self) -> torch.dtype:
+        """The dtype the state is carried in: float64 for float64 inputs, else float32."""
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
 
     def describe(self) -> str:
@@ -274,16 +276,28 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
     )
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # States: float32 (fla's only choice) or bfloat16 (kda's extension; carried in float32
+    # inside), float64 with float64 inputs.
+    state_dtypes = (torch.float64,) if q.dtype == torch.float64 else (torch.float32, torch.bfloat16)
+    state_names = " or ".join(str(d).removeprefix("torch.") for d in state_dtypes)
     initial_state = args["initial_state"]
     if initial_state is not None:
         h0 = _require_tensor("initial_state", initial_state)
         layout, dims = ("[N, HV, V, K]", (N, HV, V, K)) if state_v_first else ("[N, HV, K, V]", (N, HV, K, V))
         _require_shape("initial_state", h0, dims, layout)
-        if h0.dtype != state_dtype:
-            raise TypeError(f"`initial_state` must be {state_dtype} for {q.dtype} inputs, got {h0.dtype}")
+        if h0.dtype not in state_dtypes:
+            raise TypeError(f"`initial_state` must be {state_names} for {q.dtype} inputs, got {h0.dtype}")
         _require_device("initial_state", h0, device)
         initial_state = h0.contiguous()
+
+    final_state_dtype = args.get("final_state_dtype")
+    if final_state_dtype is None:
+        final_state_dtype = state_dtypes[0]
+    elif final_state_dtype not in state_dtypes:
+        raise TypeError(
+            f"`final_state_dtype` must be None or torch.{state_names.replace(' or ', ' or torch.')} for "
+            f"{q.dtype} inputs, got {final_state_dtype!r}"
+        )
 
     scale = args["scale"]
     if scale is None:
@@ -341,6 +355,7 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
         cu_seqlens_cpu=cu_seqlens_cpu,
         cu_seqlens_values=cu_seqlens_values,
         requires_grad=requires_grad,
+        final_state_dtype=final_state_dtype,
     )
 
 

@@ -79,6 +79,10 @@ class CudaBackend:
                 return f"`{name}` in {getattr(p, name).dtype} (the CUDA kernels read bfloat16 or float32)"
         if p.requires_grad:
             return "inputs require grad and there is no CUDA backward (use backend='torch')"
+        if p.final_state_dtype != torch.float32 or (
+            p.initial_state is not None and p.initial_state.dtype != torch.float32
+        ):
+            return "bfloat16 states (the CUDA kernels read and write float32 states)"
         if not p.q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {p.q.device} (needs CUDA tensors)"
         if _capability(p.q.get_device()) != (9, 0):

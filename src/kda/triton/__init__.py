@@ -56,7 +56,7 @@ def chunk_forward(
     ht = None
     if p.output_final_state:
         ht = (
-            torch.empty(p.state_shape, dtype=torch.float32, device=p.q.device)
+            torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
             if final_state_out is None
             else final_state_out
         )

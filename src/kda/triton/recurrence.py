@@ -120,7 +120,7 @@ def recurrence_v_split_kernel(
         tl.store(o + io_tile_t, b_ot.to(o.dtype.element_ty), mask=io_mask)
 
     if STORE_HT:
-        tl.store(ht + state_tile, St, mask=state_mask)
+        tl.store(ht + state_tile, St.to(ht.dtype.element_ty), mask=state_mask)
 
 
 def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, ht: torch.Tensor | None,
