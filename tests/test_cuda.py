@@ -4,9 +4,11 @@ refused with the feature named. On a Hopper GPU (``gpu`` marker): CUDA against t
 reference and against Triton, full writes, no stray writes, strict causality, the fast path
 really running, CUDA-graph capture."""
 
+import importlib.util
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from unittest import mock
 
@@ -39,6 +41,44 @@ def test_kernels_built_where_nvcc_exists():
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the install skips the CUDA build by design")
     assert loader.artefact_dir() is not None, f"nvcc exists but no {loader.ARTEFACTS} were installed"
+
+
+# Register ceilings the launch configuration rests on: K1's 128 threads at 5 CTAs an SM
+# (65536 / 640, in steps of 8), K2 w4's 160 threads at 2 CTAs an SM (__maxnreg__(200)).
+REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w4": 200}
+
+
+def ptxas_report(source: Path, include: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
+    """kernel -> (registers, spill bytes) from ``ptxas -v``, with the build's nvcc flags."""
+    result = subprocess.run(
+        ["nvcc", "-cubin", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-I", str(include),
+         "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"), str(source)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    report = {}
+    for entry in result.stderr.split("Compiling entry function '")[1:]:
+        name = entry.split("'")[0]
+        spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", entry))
+        report[name] = (int(re.search(r"Used (\d+) registers", entry).group(1)), spills)
+    return report
+
+
+def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path):
+    """A spill or a register count past the ceiling costs occupancy the timings depend on
+    (benchmarks/NOTES.md): caught here, at compile time, on any machine with nvcc."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    cutlass = importlib.util.find_spec("cutlass_library")
+    if cutlass is None:
+        pytest.skip("the nvidia-cutlass wheel (CUTLASS headers) is not installed")
+    include = Path(cutlass.submodule_search_locations[0]) / "source" / "include"
+    report = {}
+    for source in ("prepare.cu", "recurrence.cu"):
+        report |= ptxas_report(SOURCES / source, include, tmp_path)
+    assert set(report) == {"kda_prepare", *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS)}
+    assert {name: spills for name, (_, spills) in report.items() if spills} == {}
+    for name, ceiling in REGISTER_CEILING.items():
+        assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
 
 
 def test_params_mirror_matches_the_header():

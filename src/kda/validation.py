@@ -279,7 +279,7 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
     # States: float32 (fla's only choice) or bfloat16 (kda's extension; carried in float32
     # inside), float64 with float64 inputs.
     state_dtypes = (torch.float64,) if q.dtype == torch.float64 else (torch.float32, torch.bfloat16)
-    state_names = " or ".join(str(d).removeprefix("torch.") for d in state_dtypes)
+    state_names = "float64" if q.dtype == torch.float64 else "float32 or bfloat16"
     initial_state = args["initial_state"]
     if initial_state is not None:
         h0 = _require_tensor("initial_state", initial_state)
