@@ -45,6 +45,7 @@ DRIVER_STUBS = {
     "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
     "cuKernelSetAttribute": lambda *args: (OK,),
     "cuLaunchKernel": lambda *args: (OK,),
+    "cuCtxGetCurrent": lambda: (OK, driver.CUcontext(1)),
 }
 
 

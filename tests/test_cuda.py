@@ -315,6 +315,28 @@ def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
+def test_gpu_cuda_runs_from_a_fresh_thread(cuda_on):
+    """A thread that has made no CUDA runtime call of its own (everything it needs is cached)
+    still launches: the backend makes the primary context current for it."""
+    import threading
+
+    case = cuda_case([300, 40], 2, True, "lower_bound", False, True, seed=14)
+    kw = dict(case.kwargs(), cu_seqlens_cpu=case.cu_seqlens.cpu())
+    o_main, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    result = {}
+
+    def work():
+        result["o"] = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)[0]
+        torch.cuda.synchronize()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert torch.equal(result["o"], o_main)
+
+
+@pytest.mark.gpu
+@cuda_ready
 def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
     """K1 alone against the GPU-verified Triton prepare stage, field by field: when the
     end-to-end check fails, this says whether K1 or K2 is at fault."""

@@ -51,6 +51,7 @@ def load_kernels(monkeypatch, tmp_path):
         "cuLibraryGetKernel": lambda library, name: (OK, driver.CUkernel(next(handles))),
         "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
         "cuKernelSetAttribute": lambda *args: (OK,),
+        "cuCtxGetCurrent": lambda: (OK, driver.CUcontext(0x77)),
     }.items():
         monkeypatch.setattr(driver, name, stub)
     for artefact in loader.ARTEFACTS:
@@ -134,3 +135,32 @@ def test_driver_calls_switch_device_only_when_another_is_current(monkeypatch):
     with forward.on_device(0):  # already current: nothing to switch (and no CUDA needed)
         pass
     assert isinstance(forward.on_device(1), torch.cuda.device)
+
+
+def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, monkeypatch):
+    """Launches happen in the calling thread's current context: a thread that has none (it
+    only met torch's caches) makes the device's primary context current, once per thread."""
+    import threading
+
+    calls = []
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", lambda: (OK, driver.CUcontext(0)))
+    monkeypatch.setattr(
+        driver, "cuDevicePrimaryCtxRetain", lambda dev: calls.append("retain") or (OK, driver.CUcontext(0x99))
+    )
+    monkeypatch.setattr(driver, "cuCtxSetCurrent", lambda ctx: calls.append(int(ctx)) or (OK,))
+    kernels = load_kernels(FakeLibcuda().launch)
+    kernels.bind_context(0)
+    kernels.bind_context(0)
+    assert calls == ["retain", 0x99]
+    worker = threading.Thread(target=kernels.bind_context, args=(0,))
+    worker.start()
+    worker.join()
+    assert calls == ["retain", 0x99, "retain", 0x99]
+
+
+def test_grids_past_cuda_limits_are_refused_before_the_driver(load_kernels):
+    kernels = load_kernels(FakeLibcuda().launch)
+    name = next(iter(kernels.kernels))
+    for grid in ((2**32 + 5, 1), (0, 1), (1, 2**16)):
+        with pytest.raises(ValueError, match="outside CUDA's limits"):
+            kernels.launch(name, grid, 32, 0, 0)

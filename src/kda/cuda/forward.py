@@ -74,6 +74,9 @@ def chunk_forward(
             if final_state_out is None
             else final_state_out
         )
+    N, H = p.N, p.H
+    if N * H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
+        return o, ht
     tables = chunk_tables(p)
     if workspace is None:
         workspace = torch.empty(workspace_bytes(p), dtype=torch.uint8, device=device)
@@ -95,7 +98,6 @@ def chunk_forward(
     def address(x: torch.Tensor | None) -> int:
         return 0 if x is None else x.data_ptr()
 
-    N, H = p.N, p.H
     warps = recurrence_warps()
     params = (  # loader.Params, field by field
         p.q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
@@ -108,6 +110,7 @@ def chunk_forward(
     )  # fmt: skip
     stream = current_stream(device_index)
     with on_device(device_index), kernels.lock:
+        kernels.bind_context(device_index)
         kernels.set_params(params)
         if tables.num_chunks and run_prepare:
             kernels.launch("kda_prepare", (tables.num_chunks, H), loader.PREPARE_THREADS, 0, stream)

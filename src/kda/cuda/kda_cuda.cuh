@@ -162,6 +162,27 @@ __device__ __forceinline__ void mma_3xtf32(Tf32x3Accumulators& d, const float (&
             d.hi[1], d.hi[2], d.hi[3]);
 }
 
+// mbarrier wait (on a phase parity) and arrive, as CuTe's wait_barrier / arrive_barrier but
+// with "memory" clobbers: the plain shared-memory loads of a stage must not be moved by the
+// compiler above the wait that makes the stage valid, nor below the arrive that frees it.
+__device__ __forceinline__ void mbarrier_wait(uint64_t& barrier, int phase) {
+  const uint32_t address = cute::cast_smem_ptr_to_uint(&barrier);
+  asm volatile(
+      "{\n"
+      ".reg .pred ready;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      "@!ready bra WAIT;\n"
+      "}\n" ::"r"(address),
+      "r"(phase)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t& barrier) {
+  const uint32_t address = cute::cast_smem_ptr_to_uint(&barrier);
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(address) : "memory");
+}
+
 // 16-byte global -> shared copy; zero-fills the destination when !valid.
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem, bool valid) {
   cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(

@@ -179,6 +179,7 @@ class Kernels:
         self.params = Params()
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self.configured_devices: set[int] = set()
+        self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
         self.direct_launch = driver_launch()
         # The direct launch's pointer arguments that never change, as ctypes pointers once.
@@ -188,6 +189,21 @@ class Kernels:
     def set_params(self, values: tuple) -> None:
         """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
         PARAMS_LAYOUT.pack_into(self.params, 0, *values)
+
+    def bind_context(self, device_index: int) -> None:
+        """Once per thread and device: make sure a context is current for the launches. The
+        kernels come from context-independent libraries and launch in the calling thread's
+        current context; a thread that has only met torch's cached allocator and streams may
+        have none, and then gets ``device_index``'s primary context (torch's)."""
+        bound = self.threads.__dict__.setdefault("bound", set())
+        if device_index in bound:
+            return
+        driver = self.driver
+        if not int(check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+            device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+            primary = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+            check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+        bound.add(device_index)
 
     def configure(self, device_index: int) -> None:
         """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB)."""
@@ -204,6 +220,8 @@ class Kernels:
     def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
         """Launch ``name`` with the current contents of :attr:`params` (the driver copies
         them at launch, so the block may be refilled for the next launch at once)."""
+        if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
+            raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
         if self.direct_launch is None:
             check(
                 self.driver.cuLaunchKernel(

@@ -110,7 +110,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   auto stage_of = [&](int64_t i) { return smem + (i % kStages) * Stage<WARPS>::kBytes; };
   if (warp == WARPS) {  // the producer warp: runs up to kStages chunks ahead of the consumers
     for (int64_t i = 0; i < num_chunks; ++i) {
-      if (i >= kStages) cute::wait_barrier(empty[i % kStages], static_cast<int>((i / kStages - 1) & 1));
+      if (i >= kStages) mbarrier_wait(empty[i % kStages], static_cast<int>((i / kStages - 1) & 1));
       const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - i * kChunk));
       load_stage<WARPS>(stage_of(i), full[i % kStages],
                         p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, rows, h, v0);
@@ -121,7 +121,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
                                                              warp * Stage<WARPS>::kOutBytes);
 
   for (int64_t i = 0; i < num_chunks; ++i) {
-    cute::wait_barrier(full[i % kStages], static_cast<int>((i / kStages) & 1));
+    mbarrier_wait(full[i % kStages], static_cast<int>((i / kStages) & 1));
 
     const unsigned char* st = stage_of(i);
     const unsigned char* tile_qd = st + WS::q_decayed;
@@ -197,7 +197,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
     __syncwarp();
-    if (lane.l == 0) cute::arrive_barrier(empty[i % kStages]);  // this warp is done with the stage
+    if (lane.l == 0) mbarrier_arrive(empty[i % kStages]);  // this warp is done with the stage
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
       for (int e = 0; e < 4; ++e)

@@ -48,20 +48,34 @@ class ChunkTables:
 
 TABLES_CACHED = 64
 _TABLES: OrderedDict[tuple, ChunkTables] = OrderedDict()
+# Tables a CUDA graph has captured: the graph replays their addresses, so they are never freed.
+_CAPTURED: dict[tuple, ChunkTables] = {}
 
 
 def chunk_tables(p) -> ChunkTables:
     """The tables of ``p``, built once per layout (device, shape, sequence lengths) and kept
     in a small LRU cache: a repeated call then moves nothing from the host (less host time,
-    and the call can be captured in a CUDA graph once it has run eagerly)."""
+    and the call can be captured in a CUDA graph once it has run eagerly).
+
+    Kernels on any stream, and captured graphs, keep reading the tables after the call
+    returns, so: the copy to the device completes before first use (a blocking copy); a
+    layout used during a capture is kept for good; and the LRU drops an entry only after a
+    device synchronize (never during a capture), so no queued kernel still reads it."""
     key = (p.q.device, p.q.shape, p.cu_seqlens_values)  # q.shape: (B, T, H, K)
+    capturing = p.q.is_cuda and torch.cuda.is_current_stream_capturing()
     tables = _TABLES.get(key)
     if tables is None:
-        tables = _TABLES[key] = _build_chunk_tables(p)
-        if len(_TABLES) > TABLES_CACHED:
-            _TABLES.popitem(last=False)
+        tables = _CAPTURED.get(key)
+        if tables is None:
+            tables = _TABLES[key] = _build_chunk_tables(p)
+            if len(_TABLES) > TABLES_CACHED and not capturing:
+                if p.q.is_cuda:
+                    torch.cuda.synchronize(p.q.device)
+                _TABLES.popitem(last=False)
     else:
         _TABLES.move_to_end(key)
+    if capturing:
+        _CAPTURED[key] = tables
     return tables
 
 
@@ -78,7 +92,7 @@ def _build_chunk_tables(p) -> ChunkTables:
     chunk_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int64), counts)
     longest = torch.argsort(lengths, descending=True, stable=True)
     seq_order = (longest[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1)
-    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order]).to(p.q.device, non_blocking=True)
+    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order]).to(p.q.device)  # blocking: see chunk_tables
     return ChunkTables(
         seq_offsets=packed[: N + 1],
         chunk_offsets=packed[N + 1 : 2 * N + 2],
