@@ -223,17 +223,21 @@ def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0
     g_fp32=st.booleans(),
     with_state=st.booleans(),
     steep=st.sampled_from([0, 0, 40]),  # steps of g = -50 (precomputed g): prepare's pairwise rows
+    lower_bound=st.sampled_from([-5.0, -3.0, -0.5]),  # the safe gate's range (lower-bound gate only)
+    scale=st.sampled_from([None, 0.05]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, steep, seed):
+def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, steep, lower_bound, scale,
+                                          seed):  # fmt: skip
     case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=steep)
+    over = dict(scale=scale) | (dict(lower_bound=lower_bound) if gate == "lower_bound" else {})
     with mock.patch.dict(os.environ), kda.record_dispatch() as events:
         os.environ.pop("KDA_CUDA", None)  # on unless turned off (hypothesis examples share no fixtures)
-        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**over))
     assert "cuda:recurrence" in events
-    o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs())
+    o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs(**over))
     c64 = case.to(torch.float64)
-    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs())
+    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(**over))
     assert_close_fp64(o, o_ref, 5e-3, "o")
     assert_close_fp64(ht, ht_ref, 5e-3, "final state")
     if sum(seq_lens) >= 256:  # tiny problems: both errors are noise-sized
