@@ -242,8 +242,23 @@ def triton_configs() -> dict:
     return {name: str(getattr(kernel, "best_config", None)) for name, kernel in kernels.items()}
 
 
-def main(args) -> int:
+def time_calls(calls: dict, tensors: tuple, kw: dict) -> tuple[dict, dict]:
+    """``(ms, first_call_s)`` per contender: the do_bench median, and the first call's wall
+    time (compile and autotune: where a bench run's time goes)."""
     import triton.testing
+
+    ms, first_call_s = {}, {}
+    for name, call in calls.items():
+        start = time.perf_counter()
+        call(tensors, kw)
+        torch.cuda.synchronize()
+        first_call_s[name] = time.perf_counter() - start
+        ms[name] = triton.testing.do_bench(lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median")
+        print(f"  {name}: {ms[name]:.3f} ms (first call {first_call_s[name]:.1f} s)", flush=True)
+    return ms, first_call_s
+
+
+def main(args) -> int:
 
     if not torch.cuda.is_available():
         print("kda bench needs a CUDA GPU (it times kernels); use `kda compare` on CPU")
@@ -283,16 +298,8 @@ def main(args) -> int:
         cases = [ANCHOR_CASES[int(i)] for i in args.cases.split(",")]
     for case in cases:
         tensors, kw = make_inputs(case)
-        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
-        row["first_call_s"] = {}
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call(tensors, kw)  # compile, autotune
-            torch.cuda.synchronize()
-            row["first_call_s"][name] = time.perf_counter() - start  # where a bench run's time goes
-            row["ms"][name] = triton.testing.do_bench(
-                lambda: call(tensors, kw), warmup=25, rep=100, return_mode="median"
-            )
+        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3}
+        row["ms"], row["first_call_s"] = time_calls(calls, tensors, kw)
         row["triton_configs"] = triton_configs()
         if "fla" in row["ms"]:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}

@@ -25,8 +25,9 @@ def recurrence_warps() -> int:
     return int(warps)
 
 
-def workspace_bytes(p: Problem) -> int:
-    return max(chunk_tables(p).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
+def workspace_bytes(p: Problem, tables=None) -> int:
+    """Bytes of K1's workspace for ``p`` (``tables``: its chunk tables, if already at hand)."""
+    return max((tables or chunk_tables(p)).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
 
 
 # The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
@@ -79,7 +80,7 @@ def chunk_forward(
         return o, ht
     tables = chunk_tables(p)
     if workspace is None:
-        workspace = torch.empty(workspace_bytes(p), dtype=torch.uint8, device=device)
+        workspace = torch.empty(workspace_bytes(p, tables), dtype=torch.uint8, device=device)
 
     flags = loader.FLAGS
     bits = 0
