@@ -44,8 +44,9 @@ def test_kernels_built_where_nvcc_exists():
 
 
 # Register ceilings the launch configuration rests on: K1's 128 threads at 5 CTAs an SM
-# (65536 / 640, in steps of 8), K2 w4's 160 threads at 2 CTAs an SM (__maxnreg__(200)).
-REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w4": 200}
+# (65536 / 640, in steps of 8); K2's caps (recurrence.cu): registers are allocated per SM
+# sub-partition, 168 fits three warps in one, 128 four.
+REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128}
 
 
 def ptxas_report(source: Path, include: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
@@ -172,16 +173,19 @@ def test_longest_sequences_are_scheduled_first():
     assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
-def test_recurrence_width_is_two_warps_unless_overridden(monkeypatch):
-    assert recurrence_warps() == 2
-    monkeypatch.setenv("KDA_CUDA_WARPS", "4")
-    assert recurrence_warps() == 4
+def test_recurrence_width_follows_the_pair_count_unless_overridden(monkeypatch):
+    monkeypatch.delenv("KDA_CUDA_WARPS", raising=False)
+    assert recurrence_warps(pairs=96, sms=132) == 2
+    assert recurrence_warps(pairs=395, sms=132) == 2
+    assert recurrence_warps(pairs=396, sms=132) == 4
+    monkeypatch.setenv("KDA_CUDA_WARPS", "1")
+    assert recurrence_warps(pairs=96, sms=132) == 1
 
 
 def test_bad_cta_width_override_is_refused(monkeypatch):
     monkeypatch.setenv("KDA_CUDA_WARPS", "3")
     with pytest.raises(ValueError, match="KDA_CUDA_WARPS"):
-        recurrence_warps()
+        recurrence_warps(pairs=1, sms=132)
 
 
 def test_kda_cuda_off_switch(monkeypatch):

@@ -101,6 +101,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     monkeypatch.setattr(loader, "kernels", lambda: kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(state_v_first=True))
     o, ht = forward.chunk_forward(p)
@@ -128,6 +129,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     assert prm.workspace != 0
     assert prepare_args[1:3] == (tables.num_chunks, 2) and prepare_args[8] == 0x5000
     assert recurrence_args[8] == 0x5000
+    assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
 
 
 def test_driver_calls_switch_device_only_when_another_is_current(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -13,16 +14,26 @@ from kda.triton.common import chunk_tables
 from kda.validation import Problem
 
 
-def recurrence_warps() -> int:
-    """Consumer warps per recurrence CTA (16 V rows each, plus one producer warp). With the
-    producer issuing the copies, two consumer warps beat four on all seven bench cases on the
-    H200 (benchmarks/NOTES.md, session 4, run 6). ``KDA_CUDA_WARPS`` overrides it."""
+def recurrence_warps(pairs: int, sms: int) -> int:
+    """Consumer warps per recurrence CTA (16 V rows each, plus one producer warp), for
+    ``pairs`` (sequence, head) pairs on ``sms`` SMs. Measured on the H200 (benchmarks/NOTES.md,
+    session 5, run 3): two warps (four CTAs a pair, 168 registers, four CTAs an SM) win while
+    the pairs are few (up to 256 on 132 SMs: 1x8192 H96 0.563 ms vs 0.583 for four warps,
+    1x32768 H32 1.25 vs 1.71); four warps (two CTAs a pair, 128 registers, three CTAs an SM)
+    win from 512 pairs on (1024x8 H96 0.440 vs 0.473, varlen6 H96 0.432 vs 0.476), where
+    every SM holds several pairs and the shared workspace reads count. ``KDA_CUDA_WARPS``
+    overrides the choice."""
     warps = os.environ.get("KDA_CUDA_WARPS")
     if warps is None:
-        return 2
+        return 4 if pairs >= 3 * sms else 2
     if warps not in ("1", "2", "4"):
         raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
     return int(warps)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def workspace_bytes(p: Problem, tables=None) -> int:
@@ -99,7 +110,7 @@ def chunk_forward(
     def address(x: torch.Tensor | None) -> int:
         return 0 if x is None else x.data_ptr()
 
-    warps = recurrence_warps()
+    warps = recurrence_warps(N * H, sm_count(device_index))
     params = (  # loader.Params, field by field
         p.q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
         address(p.A_log), address(p.dt_bias), address(p.initial_state),

@@ -206,15 +206,22 @@ class Kernels:
         bound.add(device_index)
 
     def configure(self, device_index: int) -> None:
-        """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB)."""
+        """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB), and
+        ask for the largest shared-memory carveout, so that shared memory never holds the
+        number of resident CTAs below what their registers allow (the driver sizes the
+        carveout by its own estimate of residency)."""
         if device_index in self.configured_devices:
             return
         driver = self.driver
         device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        attributes = driver.CUfunction_attribute
         for warps in RECURRENCE_WIDTHS:
             kernel = self.kernels[f"kda_recurrence_w{warps}"]
-            check(driver.cuKernelSetAttribute(attribute, stage_bytes(warps), kernel, device), "cuKernelSetAttribute")
+            for attribute, value in (
+                (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, stage_bytes(warps)),
+                (attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),  # percent of the maximum
+            ):
+                check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
 
     def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:

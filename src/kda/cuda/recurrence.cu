@@ -24,7 +24,6 @@ namespace kda {
 namespace {
 
 constexpr int kStages = 3;
-constexpr uint32_t kNegateBf16x2 = 0x80008000u;
 
 // One pipeline stage: the chunk's workspace block as K1 stored it (tiles already swizzled),
 // then the CTA's [16, BV] slice of v, rows padded by 16 bytes so that the eight rows an
@@ -68,9 +67,19 @@ struct Lane {
   __device__ Lane() : l(threadIdx.x % 32), g((threadIdx.x % 32) / 4), t(threadIdx.x % 4) {}
 };
 
-__device__ __forceinline__ int64_t state_index(const Params& p, int64_t nh, int v, int k) {
-  return (p.flags & kStateVFirst) ? (nh * kHeadDim + v) * kHeadDim + k : (nh * kHeadDim + k) * kHeadDim + v;
-}
+// Where element e of accumulator tile j of this lane's S^T rows sits within one (sequence,
+// head) state, [V, K] (VK) or [K, V]: 32-bit offsets from the pair's base, which keeps the
+// prologue's and epilogue's address registers few (registers are capped, see below).
+struct StateOffsets {
+  int v, k_stride, v_stride;
+  __device__ StateOffsets(const Params& p, int v_warp, const Lane& lane)
+      : v(v_warp + lane.g),
+        k_stride((p.flags & kStateVFirst) ? 1 : kHeadDim),
+        v_stride((p.flags & kStateVFirst) ? kHeadDim : 1) {}
+  __device__ int operator()(const Lane& lane, int j, int e) const {
+    return (v + 8 * (e / 2)) * v_stride + (8 * j + 2 * lane.t + e % 2) * k_stride;
+  }
+};
 
 template <int WARPS>
 __device__ __forceinline__ void recurrence(const Params& p) {
@@ -89,12 +98,12 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const int64_t c_first = p.chunk_offsets[n], num_chunks = p.chunk_offsets[n + 1] - c_first;
 
   float St[16][4];  // S^T rows v_warp..+15; tile j holds key channels 8j..8j+7
+  const StateOffsets state_offset(p, v_warp, lane);
+  const int64_t state_base = nh * kHeadDim * kHeadDim;
   if (warp < WARPS)
     for (int j = 0; j < 16; ++j)
       for (int e = 0; e < 4; ++e)
-        St[j][e] = (p.flags & kHasH0)
-                       ? p.h0[state_index(p, nh, v_warp + lane.g + 8 * (e / 2), 8 * j + 2 * lane.t + e % 2)]
-                       : 0.f;
+        St[j][e] = (p.flags & kHasH0) ? p.h0[state_base + state_offset(lane, j, e)] : 0.f;
 
   // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
   // empty[s]: every consumer warp is done reading it.
@@ -133,16 +142,13 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     const float2* gamma = reinterpret_cast<const float2*>(st + WS::gamma);
     const unsigned char* v_tile = st + kWorkspaceBytes;
 
-    // S^T as the left operand, one 16-column step per k-step.
-    uint32_t aS[8][4];
-    for (int kk = 0; kk < 8; ++kk) accumulators_to_operand(aS[kk], St[2 * kk], St[2 * kk + 1]);
-
     // Lane address pattern of an x4 ldmatrix over a 16 x 16 block: matrices (rows 0-7 |
     // 8-15) x (16-byte column piece 0 | 1), in the order each operand's registers need.
     const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
 
-    // U^T = V^T inverse_beta^T - S^T w^T; V^T comes from the row-major v tile by ldmatrix.trans.
-    float U[2][4] = {};
+    // V^T inverse_beta^T, off the serial chain; V^T comes from the row-major v tile by
+    // ldmatrix.trans.
+    float VB[2][4] = {};
     uint32_t aV[4];
     ldmatrix_x4_trans(aV, v_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
     const int64_t rows = eos - bos - i * kChunk;
@@ -154,18 +160,30 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     }
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
-      mma_bf16(U[nt], aV, ib_hi[row], ib_hi[row + 4]);
-      mma_bf16(U[nt], aV, ib_lo[row], ib_lo[row + 4]);
+      mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
+      mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
     }
+
+    // S^T w^T (on the serial chain) and S^T q_decayed^T (for O^T) take the same left operand:
+    // each 16-column step of S^T is converted once and used at once, so no copy of S^T as
+    // bf16 stays live (registers decide how many CTAs an SM holds). S^T w^T runs as two
+    // accumulator chains, even and odd steps, half as deep.
+    float P[2][2][4] = {};
+    float O[2][4] = {};
     for (int kk = 0; kk < 8; ++kk) {
-      uint32_t bw[4];
-      const int row = r_lo + 8 * sel_b;
-      ldmatrix_x4(bw, tile_w + tile_offset(row, 8 * (2 * kk + sel_a)));
-      const uint32_t neg[4] = {aS[kk][0] ^ kNegateBf16x2, aS[kk][1] ^ kNegateBf16x2, aS[kk][2] ^ kNegateBf16x2,
-                               aS[kk][3] ^ kNegateBf16x2};
-      mma_bf16(U[0], neg, bw[0], bw[1]);
-      mma_bf16(U[1], neg, bw[2], bw[3]);
+      uint32_t aS[4], bw[4], bq[4];
+      accumulators_to_operand(aS, St[2 * kk], St[2 * kk + 1]);
+      ldmatrix_x4(bw, tile_w + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
+      mma_bf16(P[kk % 2][0], aS, bw[0], bw[1]);
+      mma_bf16(P[kk % 2][1], aS, bw[2], bw[3]);
+      ldmatrix_x4(bq, tile_qd + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
+      mma_bf16(O[0], aS, bq[0], bq[1]);
+      mma_bf16(O[1], aS, bq[2], bq[3]);
     }
+    // U^T = V^T inverse_beta^T - S^T w^T.
+    float U[2][4];
+    for (int nt = 0; nt < 2; ++nt)
+      for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - (P[0][nt][e] + P[1][nt][e]);
     uint32_t aU[4];
     accumulators_to_operand(aU, U[0], U[1]);
 
@@ -184,14 +202,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       mma_bf16(St[2 * jp + 1], aU, bk[2], bk[3]);
     }
 
-    // O^T = S^T q_decayed^T + U^T M^T, off the serial chain.
-    float O[2][4] = {};
-    for (int kk = 0; kk < 8; ++kk) {
-      uint32_t bq[4];
-      ldmatrix_x4(bq, tile_qd + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
-      mma_bf16(O[0], aS[kk], bq[0], bq[1]);
-      mma_bf16(O[1], aS[kk], bq[2], bq[3]);
-    }
+    // O^T += U^T M^T.
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
@@ -213,15 +224,18 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   if (p.flags & kStoreHt)
     for (int j = 0; j < 16; ++j)
       for (int e = 0; e < 4; ++e)
-        p.ht[state_index(p, nh, v_warp + lane.g + 8 * (e / 2), 8 * j + 2 * lane.t + e % 2)] = St[j][e];
+        p.ht[state_base + state_offset(lane, j, e)] = St[j][e];
 }
 
 }  // namespace
 
-// One entry point per width, each with one more warp, the producer. Four consumer warps:
-// two CTAs must fit an SM, so registers are capped at 200 (2 x 160 x 200 <= 65536).
-extern "C" __global__ void __launch_bounds__(64) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
-extern "C" __global__ void __launch_bounds__(96) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
-extern "C" __global__ void __maxnreg__(200) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
+// One entry point per width, each with one more warp, the producer. Registers are
+// allocated per SM sub-partition (16384 each), so the cap decides how many CTAs an SM holds:
+// at 168, three warps a sub-partition (two-warp CTAs: four an SM, eight consumer warps); at
+// 128, four (four-warp CTAs: three an SM, twelve consumer warps). The loop needs no more
+// than 128 without spilling; forward.recurrence_warps picks the width (session 5, run 3).
+extern "C" __global__ void __maxnreg__(168) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
+extern "C" __global__ void __maxnreg__(168) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
+extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
 
 }  // namespace kda
