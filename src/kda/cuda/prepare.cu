@@ -6,14 +6,15 @@
 // reference.prepare_chunk is the same computation in torch):
 //
 //   1. q, k, g rows -> shared memory (cp.async; rows past the sequence end zero-filled);
-//      one thread per channel then owns that channel's 16 rows: gate, cumulative sum,
-//      decayed operands, all in registers.
-//   2. A = K~ K^-T and M = Q~ K^-T (16 x 16 over 128 channels) on the tensor cores, one
-//      warp per (matrix, 8 columns), in 3xTF32: float32-level accuracy for ~100 MMAs.
-//   3. inverse_beta = (I + A)^-1 Diag(beta) by forward substitution, one column per thread
-//      of the first half warp, and
-//   4. w = (I + A)^-1 Diag(beta) K~ the same way, (I + A) w = Diag(beta) K~, one channel
-//      per thread in registers. Float32 throughout.
+//      the row norms on the tensor cores (diagonals of Q Q^T and K K^T); then each thread
+//      owns two adjacent channels for eight rows: gate, cumulative sum (the upper eight rows
+//      add the lower eight's total, one shuffle), decayed operands, all in registers.
+//   2. A = K~ K^-T in 3xTF32 (float32-level accuracy: its solve amplifies errors) and
+//      M = Q~ K^-T in tf32 (it is stored in bf16), 16 x 16 over 128 channels on the tensor
+//      cores, each warp a quarter of the channels; the partials are summed in shared memory.
+//   3. inverse_beta = (I + A)^-1 Diag(beta) by forward substitution in float32, one column
+//      per thread of the first half warp, and
+//   4. w = inverse_beta K~ (16 x 128 over 16 tokens) on the tensor cores in 3xTF32.
 //
 // Exponents: A and M need exp(G_i - G_j), j <= i. The fast form factors it as
 // (k_i exp(G_i)) . (k_j exp(-G_j)), with exp(-G_j) clamped at 2^116 (the lower-bound gate,
@@ -21,32 +22,39 @@
 // only needs j <= i, whose -G_j <= -G_i, so a row whose own decay stays inside the limit is
 // exact in the factored form; a row past it is recomputed in the pairwise form, exact at any
 // depth. The choice is made per row from that row's own G: a later token never changes how
-// an earlier row is computed, which keeps strict causality bit for bit.
+// an earlier row is computed, which keeps strict causality bit for bit. When the gate's
+// lower bound rules such rows out (the common case), a second instance of the kernel body
+// (kMayBeFar = false) drops the per-row test, the clamp and the recompute.
 #include "kda_cuda.cuh"
 
 namespace kda {
 namespace {
 
-constexpr int kThreads = 128;  // one per channel
+constexpr int kThreads = 128;
 // Row stride (floats) of the float32 operand tiles: 132 = 4 mod 32, so the (row g, column t)
 // pattern of an MMA fragment load, g < 8, t < 4, hits 32 distinct banks.
 constexpr int kPad = kHeadDim + 4;
-constexpr int kRowPad = kChunk + 4;  // A's rows 16-byte aligned for float4 reads
+constexpr int kRowPad = kChunk + 4;  // A's rows 16-byte aligned for float4 reads, 4 mod 32
+// Row stride (bf16) of the raw q and k tiles: 272 bytes, 17 pieces of 16 bytes, so the eight
+// rows of an ldmatrix read at one column land in eight different bank groups.
+constexpr int kRawPad = kHeadDim + 8;
 
 struct __align__(16) PrepareShared {
-  __nv_bfloat16 q[kChunk][kHeadDim];  // raw inputs as loaded
-  __nv_bfloat16 k[kChunk][kHeadDim];
+  __nv_bfloat16 q[kChunk][kRawPad];  // raw inputs as loaded
+  __nv_bfloat16 k[kChunk][kRawPad];
   union {                                // raw g as loaded, then G once every thread has read g
     float g32[kChunk][kHeadDim];
     __nv_bfloat16 g16[kChunk][kHeadDim];
-    float G[kChunk][kPad];               // cumulative log2-decay (the pairwise rows read it)
+    float G[kChunk][kPad];               // cumulative log2-decay (only the pairwise rows read it)
   } g;
-  float qd[kChunk][kPad];  // scale q exp(G): left operand of M
-  float kd[kChunk][kPad];  // k exp(G): left operand of A
+  // scale q exp(G): left operand of M. Warp w reads only its columns [32 w, 32 w + 32), and
+  // then stores its partial A and M there (columns 32 w + [0, 16) and 32 w + [16, 32)).
+  float qd[kChunk][kPad];
+  float kd[kChunk][kPad];  // k exp(G): left operand of A, right operand of w
   float ki[kChunk][kPad];  // k exp(min(-G, limit)): right operand of A and M
-  float A[kChunk][kRowPad];  // strictly lower, row i times beta_i
-  float M[kChunk][kChunk + 1];
-  float rq[kChunk], rk[kChunk], beta[kChunk];
+  float A[kChunk][kRowPad];  // strictly lower, row i times beta_i; then inverse_beta
+  float M[kChunk][kChunk];
+  float rq[kChunk], rk[kChunk], beta[kChunk];  // rq includes the scale
   unsigned far_rows;  // bit i: row i's decay passes the limit
 };
 
@@ -54,6 +62,27 @@ __device__ __forceinline__ float load_as_float(const void* base, int64_t index, 
   return is_f32 ? static_cast<const float*>(base)[index]
                 : __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
 }
+
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// rsqrtf without its subnormal-input path (the argument here is at least 1e-6).
+__device__ __forceinline__ float rsqrt_approx(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The two bf16 halves of a 32-bit word as floats, one instruction each.
+__device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
+
+// x rounded to the nearest tf32 value (ties away from zero) once the tensor core drops its
+// low 13 mantissa bits: one integer add instead of a truncation bias.
+__device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // x_i = b_i - sum_{l < i} A_il x_l for the 16 rows of one right-hand side, in place.
 __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const float (*A)[kRowPad]) {
@@ -73,6 +102,19 @@ __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const flo
   }
 }
 
+// A B in 3xTF32 as mma_3xtf32, but all three products in one accumulator, small ones first
+// (float32-level still; no final sums): for w, which is only rounded to bf16 and has
+// independent tiles to overlap its chains with.
+__device__ __forceinline__ void mma_3xtf32_single(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+  uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+  for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
+  for (int e = 0; e < 2; ++e) split_tf32(b[e], b_hi[e], b_lo[e]);
+  using Tf32 = cute::SM80_16x8x8_F32TF32TF32F32_TN;
+  Tf32::fma(d[0], d[1], d[2], d[3], a_lo[0], a_lo[1], a_lo[2], a_lo[3], b_hi[0], b_hi[1], d[0], d[1], d[2], d[3]);
+  Tf32::fma(d[0], d[1], d[2], d[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_lo[0], b_lo[1], d[0], d[1], d[2], d[3]);
+  Tf32::fma(d[0], d[1], d[2], d[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_hi[0], b_hi[1], d[0], d[1], d[2], d[3]);
+}
+
 // Rows g, g + 8 and columns c0 + t, c0 + t + 4 of X: the left operand of an m16n8k8 MMA.
 template <int STRIDE>
 __device__ __forceinline__ void left_fragment(float (&a)[4], const float (*X)[STRIDE], int c0, int g, int t) {
@@ -82,15 +124,205 @@ __device__ __forceinline__ void left_fragment(float (&a)[4], const float (*X)[ST
   a[3] = X[g + 8][c0 + t + 4];
 }
 
+// The elementwise stages give each thread two adjacent channels (bf16 pairs load and store as
+// one word) and eight rows: channels 32 warp + 2 (lane % 16) + {0, 1}, rows r0 .. r0 + 7 with
+// r0 = 8 (lane / 16), so that the two halves of a channel pair are lanes 16 apart.
+struct PairRows {
+  int c0, r0;
+  __device__ explicit PairRows(int tid) : c0((tid / 32) * 32 + 2 * (tid % 16)), r0(8 * (tid % 32 / 16)) {}
+};
+
+// Tiles tile0 .. tile0 + kTiles - 1 (channels 8 tile ..) of w = inverse_beta K~, in 3xTF32
+// (a: inverse_beta as the left operand). An accumulator row holds two adjacent channels,
+// stored as one bf16 pair.
+template <int kTiles>
+__device__ __forceinline__ void w_tiles(const PrepareShared& s, unsigned char* ws, int tile0, const float (&a)[2][4],
+                                        int g, int t) {
+  // tile_offset(g, 8 tile + 2 t) = w_row + 16 (tile ^ g); row g + 8 has the same swizzle.
+  unsigned char* const w_row = ws + WorkspaceLayout::w + g * kHeadDim * 2 + 2 * t * 2;
+#pragma unroll
+  for (int tile = tile0; tile < tile0 + kTiles; ++tile) {
+    const int n0 = tile * 8;
+    float d[4] = {};
+    for (int k0 = 0; k0 < kChunk; k0 += 8) {
+      const float b[2] = {s.kd[k0 + t][n0 + g], s.kd[k0 + t + 4][n0 + g]};
+      mma_3xtf32_single(d, a[k0 / 8], b);
+    }
+    uint32_t* const w_at = reinterpret_cast<uint32_t*>(w_row + ((tile ^ g) << 4));
+    w_at[0] = pack_bf16(d[0], d[1]);
+    w_at[8 * kHeadDim / 2] = pack_bf16(d[2], d[3]);  // row g + 8
+  }
+}
+
+// Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit.
+template <bool kMayBeFar>
+__device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, const PairRows& pr,
+                                             const float (&G)[2][8], const float (&G16)[2], unsigned char* ws) {
+  using WS = WorkspaceLayout;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  __builtin_assume(tid >= 0 && tid < kThreads);
+  const int g_row = lane / 4, t_col = lane % 4;  // MMA fragment coordinates
+
+  // Decayed operands: float32 tiles for the MMAs; q_decayed and k_restored to the workspace.
+  float rq[8], rk[8];
+  for (int r8 = 0; r8 < 8; r8 += 4) {
+    *reinterpret_cast<float4*>(&rq[r8]) = *reinterpret_cast<const float4*>(&s.rq[pr.r0 + r8]);
+    *reinterpret_cast<float4*>(&rk[r8]) = *reinterpret_cast<const float4*>(&s.rk[pr.r0 + r8]);
+  }
+  const float gamma[2] = {exp2_approx(G16[0]), exp2_approx(G16[1])};
+  unsigned far = 0;
+  // tile_offset(r0 + r8, c0) = ws_pair + 256 r8 + 16 ((c0 / 8) ^ r8), as r0 % 8 = 0.
+  unsigned char* const ws_pair = ws + pr.r0 * kHeadDim * 2 + pr.c0 % 8 * 2;
+  const int piece = pr.c0 / 8;
+  for (int r8 = 0; r8 < 8; ++r8) {
+    const int r = pr.r0 + r8;
+    const uint32_t q2 = *reinterpret_cast<const uint32_t*>(&s.q[r][pr.c0]);
+    const uint32_t k2 = *reinterpret_cast<const uint32_t*>(&s.k[r][pr.c0]);
+    const float qn[2] = {bf16_lo(q2) * rq[r8], bf16_hi(q2) * rq[r8]};
+    const float kn[2] = {bf16_lo(k2) * rk[r8], bf16_hi(k2) * rk[r8]};
+    float qd[2], kd[2], ki[2], restored[2];
+    for (int e = 0; e < 2; ++e) {
+      const float decay = exp2_approx(G[e][r8]);
+      qd[e] = qn[e] * decay;
+      kd[e] = kn[e] * decay;
+      if constexpr (kMayBeFar) {
+        ki[e] = kn[e] * exp2_approx(fminf(-G[e][r8], kExp2Limit));
+        restored[e] = kn[e] * exp2_approx(G16[e] - G[e][r8]);
+        far |= static_cast<unsigned>(G[e][r8] < -kExp2Limit) << r;
+      } else {
+        // No clamp when no row is far (-G <= 116), so k exp(G_16 - G) = k exp(-G) exp(G_16)
+        // up to float rounding, and one exponential per row is saved.
+        ki[e] = kn[e] * exp2_approx(-G[e][r8]);
+        restored[e] = ki[e] * gamma[e];
+      }
+    }
+    if constexpr (kMayBeFar) *reinterpret_cast<float2*>(&s.g.G[r][pr.c0]) = make_float2(G[0][r8], G[1][r8]);
+    *reinterpret_cast<float2*>(&s.qd[r][pr.c0]) = make_float2(qd[0], qd[1]);
+    *reinterpret_cast<float2*>(&s.kd[r][pr.c0]) = make_float2(kd[0], kd[1]);
+    *reinterpret_cast<float2*>(&s.ki[r][pr.c0]) = make_float2(ki[0], ki[1]);
+    unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
+    *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
+    *reinterpret_cast<uint32_t*>(ws_at + WS::k_restored) = pack_bf16(restored[0], restored[1]);
+  }
+  if (pr.r0 == 0) *reinterpret_cast<float2*>(ws + WS::gamma + pr.c0 * 4) = make_float2(gamma[0], gamma[1]);
+  if constexpr (kMayBeFar) {
+    far = __reduce_or_sync(0xffffffffu, far);
+    if (lane == 0 && far) atomicOr(&s.far_rows, far);
+  }
+  __syncthreads();
+
+  // 2. A and M, factored form; warp w sums over channels [32 w, 32 w + 32) for both
+  // 8-column halves, then stores its partials over the qd columns only it has read.
+  {
+    const int c0 = warp * 32;
+    Tf32x3Accumulators a_acc[2];
+    float m_acc[2][4] = {};
+    for (int k0 = c0; k0 < c0 + 32; k0 += 8) {
+      float a[4], qd[4];
+      left_fragment(a, s.kd, k0, g_row, t_col);
+      left_fragment(qd, s.qd, k0, g_row, t_col);
+      const uint32_t qd_tf32[4] = {round_tf32(qd[0]), round_tf32(qd[1]), round_tf32(qd[2]), round_tf32(qd[3])};
+      for (int half = 0; half < 2; ++half) {
+        const float b[2] = {s.ki[half * 8 + g_row][k0 + t_col], s.ki[half * 8 + g_row][k0 + t_col + 4]};
+        mma_3xtf32(a_acc[half], a, b);
+        float(&m)[4] = m_acc[half];
+        cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(m[0], m[1], m[2], m[3], qd_tf32[0], qd_tf32[1], qd_tf32[2],
+                                                 qd_tf32[3], round_tf32(b[0]), round_tf32(b[1]), m[0], m[1],
+                                                 m[2], m[3]);
+      }
+    }
+    __syncwarp();  // every lane has read its qd columns
+    for (int half = 0; half < 2; ++half) {
+      const int j = half * 8 + 2 * t_col;
+      float* part = &s.qd[0][c0];
+      *reinterpret_cast<float2*>(part + g_row * kPad + j) = make_float2(a_acc[half].sum(0), a_acc[half].sum(1));
+      *reinterpret_cast<float2*>(part + (g_row + 8) * kPad + j) =
+          make_float2(a_acc[half].sum(2), a_acc[half].sum(3));
+      *reinterpret_cast<float2*>(part + g_row * kPad + 16 + j) = make_float2(m_acc[half][0], m_acc[half][1]);
+      *reinterpret_cast<float2*>(part + (g_row + 8) * kPad + 16 + j) = make_float2(m_acc[half][2], m_acc[half][3]);
+    }
+  }
+  __syncthreads();
+  {  // Sum of the four partials: warps 0, 1 reduce M, warps 2, 3 reduce A, four entries a thread.
+    const bool is_A = warp >= 2;
+    const int e = (tid % 64) * 4, i = e / kChunk, j = e % kChunk;
+    const float* part = &s.qd[i][(is_A ? 0 : 16) + j];
+    float4 sum = *reinterpret_cast<const float4*>(part);
+    for (int w = 1; w < 4; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(part + 32 * w);
+      sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+    }
+    if (is_A) {
+      const float b = s.beta[i];
+      *reinterpret_cast<float4*>(&s.A[i][j]) = make_float4(j < i ? sum.x * b : 0.f, j + 1 < i ? sum.y * b : 0.f,
+                                                           j + 2 < i ? sum.z * b : 0.f, j + 3 < i ? sum.w * b : 0.f);
+    } else {
+      *reinterpret_cast<float4*>(&s.M[i][j]) = make_float4(j <= i ? sum.x : 0.f, j + 1 <= i ? sum.y : 0.f,
+                                                           j + 2 <= i ? sum.z : 0.f, j + 3 <= i ? sum.w : 0.f);
+    }
+  }
+  __syncthreads();
+  if constexpr (kMayBeFar) {
+    const unsigned far_rows = s.far_rows;
+    if (far_rows) {  // rows past the limit: exp(G_i - G_j) pairwise, exact at any depth
+      for (int e = tid; e < kChunk * kChunk; e += kThreads) {
+        const int i = e / kChunk, j = e % kChunk;
+        if (!((far_rows >> i) & 1) || j > i) continue;
+        float a = 0.f, m = 0.f;
+        for (int d = 0; d < kHeadDim; ++d) {
+          const float kj = __bfloat162float(s.k[j][d]) * s.rk[j] * exp2f(fminf(s.g.G[i][d] - s.g.G[j][d], 0.f));
+          a = fmaf(__bfloat162float(s.k[i][d]), kj, a);
+          m = fmaf(__bfloat162float(s.q[i][d]), kj, m);
+        }
+        s.A[i][j] = j < i ? a * s.rk[i] * s.beta[i] : 0.f;
+        s.M[i][j] = m * s.rq[i];
+      }
+      __syncthreads();
+    }
+  }
+  {  // M to bf16, two entries a thread.
+    const float2 m = *reinterpret_cast<const float2*>(&s.M[0][0] + 2 * tid);
+    reinterpret_cast<uint32_t*>(ws + WS::M)[tid] = pack_bf16(m.x, m.y);
+  }
+
+  // 3. inverse_beta column j = (I + A)^-1 beta_j e_j, then over A (which it no longer needs).
+  if (tid < kChunk) {
+    const int j = tid;
+    float ib[kChunk];
+    for (int r = 0; r < kChunk; ++r) ib[r] = r == j ? s.beta[j] : 0.f;
+    forward_substitute(ib, s.A);
+    __syncwarp(0xffffu);  // every column's solve has read A
+    for (int r = 0; r < kChunk; ++r) s.A[r][j] = ib[r];
+  }
+  __syncthreads();
+  const float(*inverse_beta)[kRowPad] = s.A;
+  {  // As a bf16 pair (hi + lo) for the recurrence, two entries a thread.
+    const int i = tid / 8, j = (tid % 8) * 2;
+    const float2 x = *reinterpret_cast<const float2*>(&inverse_beta[i][j]);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(x.x, x.y);
+    reinterpret_cast<__nv_bfloat162*>(ws + WS::inverse_beta_hi)[tid] = hi;
+    reinterpret_cast<uint32_t*>(ws + WS::inverse_beta_lo)[tid] =
+        pack_bf16(x.x - __low2float(hi), x.y - __high2float(hi));
+  }
+
+  // 4. w = inverse_beta K~ in 8-channel tiles: warp 0, which solved for inverse_beta, takes
+  // tile 0 and warps 1-3 five tiles each.
+  float a[2][4];
+  for (int k0 = 0; k0 < kChunk; k0 += 8) left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
+  if (warp == 0)
+    w_tiles<1>(s, ws, 0, a, g_row, t_col);
+  else
+    w_tiles<5>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Params p) {
   __shared__ PrepareShared s;
-  using WS = WorkspaceLayout;
   const int64_t c = blockIdx.x;
   const int64_t h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g_row = lane / 4, t_col = lane % 4;  // MMA fragment coordinates
+  __builtin_assume(tid >= 0 && tid < kThreads);
 
   const int64_t n = p.chunk_seq[c];
   const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
@@ -98,159 +330,128 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Para
   const bool g_f32 = p.flags & kGFloat32;
   unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
 
-  // 1. Inputs -> shared memory, 16-byte pieces. 64-bit offsets: T * H * 128 can pass 2^31.
-  for (int piece = tid; piece < kChunk * 16; piece += kThreads) {
-    const int r = piece / 16, col = (piece % 16) * 8;
-    const bool valid = r < rows;
-    const int64_t src = valid ? ((bos + r) * p.heads + h) * kHeadDim + col : 0;
-    copy_async_16(&s.q[r][col], p.q + src, valid);
-    copy_async_16(&s.k[r][col], p.k + src, valid);
+  // 1. Inputs -> shared memory, 16-byte pieces: thread tid loads piece tid % 16 of rows
+  // tid / 16 and tid / 16 + 8 (and of fp32 g, piece tid % 32 of rows tid / 32 + 4 i).
+  // 64-bit offsets: T * H * 128 can pass 2^31.
+  const int64_t row_stride = p.heads * kHeadDim;  // elements between consecutive tokens
+  {
+    const int r0 = tid / 16, piece = tid % 16;
+    const int64_t src0 = ((bos + r0) * p.heads + h) * kHeadDim + piece * 8;
+    for (int i = 0; i < 2; ++i) {
+      const int r = r0 + 8 * i;
+      const bool valid = r < rows;
+      const int64_t src = valid ? src0 + 8 * i * row_stride : 0;
+      copy_async_16(&s.q[r][piece * 8], p.q + src, valid);
+      copy_async_16(&s.k[r][piece * 8], p.k + src, valid);
+      if (!g_f32) copy_async_16(&s.g.g16[r][piece * 8], static_cast<const __nv_bfloat16*>(p.g) + src, valid);
+    }
   }
-  const int g_pieces = g_f32 ? 32 : 16;  // per row
-  for (int piece = tid; piece < kChunk * g_pieces; piece += kThreads) {
-    const int r = piece / g_pieces, col = piece % g_pieces;
-    const bool valid = r < rows;
-    const int64_t row = valid ? ((bos + r) * p.heads + h) * kHeadDim : 0;
-    const unsigned char* src = g_f32 ? reinterpret_cast<const unsigned char*>(static_cast<const float*>(p.g) + row)
-                                     : reinterpret_cast<const unsigned char*>(static_cast<const __nv_bfloat16*>(p.g) + row);
-    copy_async_16(reinterpret_cast<unsigned char*>(&s.g) + (r * g_pieces + col) * 16, src + col * 16, valid);
+  if (g_f32) {
+    const int r0 = tid / 32, piece = tid % 32;
+    const int64_t src0 = ((bos + r0) * p.heads + h) * kHeadDim + piece * 4;
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + 4 * i;
+      const bool valid = r < rows;
+      const int64_t src = valid ? src0 + 4 * i * row_stride : 0;
+      copy_async_16(&s.g.g32[r][piece * 4], static_cast<const float*>(p.g) + src, valid);
+    }
   }
   cute::cp_async_fence();
-  if (tid < kChunk) {
-    float b = tid < rows ? load_as_float(p.beta, (bos + tid) * p.heads + h, p.flags & kBetaFloat32) : 0.f;
-    if ((p.flags & kBetaSigmoid) && tid < rows) b = sigmoid_scaled(static_cast<float>(p.beta_scale), b);
-    s.beta[tid] = b;
-    if (!(p.flags & kL2norm)) s.rq[tid] = s.rk[tid] = 1.f;
+  // The per-row work goes to warp 1 and the norms to warps 2 and 3: warp 0 solves for
+  // inverse_beta later (warp i of every CTA shares one scheduler, so the load is spread).
+  if (warp == 1 && lane < kChunk) {
+    const int r = lane;
+    float b = r < rows ? load_as_float(p.beta, (bos + r) * p.heads + h, p.flags & kBetaFloat32) : 0.f;
+    if ((p.flags & kBetaSigmoid) && r < rows) b = sigmoid_scaled(static_cast<float>(p.beta_scale), b);
+    s.beta[r] = b;
+    if (!(p.flags & kL2norm)) {
+      s.rq[r] = static_cast<float>(p.scale);
+      s.rk[r] = 1.f;
+    }
   }
   if (tid == 0) s.far_rows = 0;
-  const int ch = tid;
+  const PairRows pr(tid);
   const bool lower_bound = p.flags & kGateLowerBound;
+  // The gate lb * sigmoid(a (g + bias)) in base 2 is gate_scale / (1 + 2^(g gate_mul + gate_add)).
   const float gate_a = lower_bound && (p.flags & kHasALog) ? expf(p.A_log[h]) : 1.f;
-  const float gate_bias = lower_bound && (p.flags & kHasDtBias) ? p.dt_bias[h * kHeadDim + ch] : 0.f;
+  const float gate_mul = -gate_a * kLog2e, gate_scale = static_cast<float>(p.lower_bound) * kLog2e;
+  float gate_add[2];
+  for (int e = 0; e < 2; ++e)
+    gate_add[e] = lower_bound && (p.flags & kHasDtBias) ? gate_mul * p.dt_bias[h * kHeadDim + pr.c0 + e] : 0.f;
   cute::cp_async_wait<0>();
   __syncthreads();
 
-  // l2norm: 8 threads per row, 16 channels each.
-  if (p.flags & kL2norm) {
-    const int r = tid / 8, c0 = (tid % 8) * 16;
-    float sq = 0.f, sk = 0.f;
-    for (int half = 0; half < 16; half += 8) {
-      const uint4 qraw = *reinterpret_cast<const uint4*>(&s.q[r][c0 + half]);
-      const uint4 kraw = *reinterpret_cast<const uint4*>(&s.k[r][c0 + half]);
-      const __nv_bfloat16* qv = reinterpret_cast<const __nv_bfloat16*>(&qraw);
-      const __nv_bfloat16* kv = reinterpret_cast<const __nv_bfloat16*>(&kraw);
-      for (int x = 0; x < 8; ++x) {
-        sq = fmaf(__bfloat162float(qv[x]), __bfloat162float(qv[x]), sq);
-        sk = fmaf(__bfloat162float(kv[x]), __bfloat162float(kv[x]), sk);
-      }
+  // l2norm: the row norms are the diagonals of Q Q^T and K K^T, one bf16 MMA chain over the
+  // 128 channels each (warp 2: q, warp 3: k); products of bf16 are exact in float32.
+  if ((p.flags & kL2norm) && warp >= 2) {
+    const __nv_bfloat16(*X)[kRawPad] = warp == 2 ? s.q : s.k;
+    // ldmatrix lane l addresses row l % 8 of 8 x 8 block l / 8: blocks (rows 0-7, 8-15) x
+    // (channels k0 + 0-7, + 8-15), in the left operand's order, and again in the order that
+    // makes each 8-row block one right operand (two consecutive registers).
+    const __nv_bfloat16* left = &X[(lane / 8 % 2) * 8 + lane % 8][(lane / 16) * 8];
+    const __nv_bfloat16* right = &X[(lane / 16) * 8 + lane % 8][(lane / 8 % 2) * 8];
+    float d[2][4] = {};  // columns: rows 0-7, rows 8-15
+    for (int k0 = 0; k0 < kHeadDim; k0 += 16) {
+      uint32_t a[4], b[4];
+      ldmatrix_x4(a, left + k0);
+      ldmatrix_x4(b, right + k0);
+      mma_bf16(d[0], a, b[0], b[1]);
+      mma_bf16(d[1], a, b[2], b[3]);
     }
-    for (int offset = 4; offset > 0; offset >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, offset);
-      sk += __shfl_xor_sync(0xffffffffu, sk, offset);
-    }
-    if (tid % 8 == 0) {
-      s.rq[r] = rsqrtf(sq + kL2normEps);
-      s.rk[r] = rsqrtf(sk + kL2normEps);
+    // Entry (g, 2t + e) of the first tile and (g + 8, 8 + 2t + e) of the second: the
+    // diagonal where 2t + e = g.
+    const int g = lane / 4, t = lane % 4;
+    if (t == g / 2) {
+      const float scale = warp == 2 ? static_cast<float>(p.scale) : 1.f;
+      float* r_out = warp == 2 ? s.rq : s.rk;
+      r_out[g] = rsqrt_approx((g % 2 ? d[0][1] : d[0][0]) + kL2normEps) * scale;
+      r_out[g + 8] = rsqrt_approx((g % 2 ? d[1][3] : d[1][2]) + kL2normEps) * scale;
     }
   }
-  // Gate and cumulative log2-decay of this thread's channel. Rows past the end add no decay.
-  float G[kChunk];
-  float acc = 0.f;
-  for (int r = 0; r < kChunk; ++r) {
-    float gv = g_f32 ? s.g.g32[r][ch] : __bfloat162float(s.g.g16[r][ch]);
-    if (lower_bound) gv = sigmoid_scaled(static_cast<float>(p.lower_bound), gate_a * (gv + gate_bias));
-    acc += (r < rows ? gv : 0.f) * kLog2e;
-    G[r] = acc;
+  // Gate and cumulative log2-decay of this thread's two channels and eight rows, first from
+  // the first of those rows on.
+  float G[2][8], acc[2] = {0.f, 0.f};
+  if (lower_bound && !g_f32) {  // the common case, apart so that the loop carries no selects
+    for (int r8 = 0; r8 < 8; ++r8) {
+      const uint32_t gv = *reinterpret_cast<const uint32_t*>(&s.g.g16[pr.r0 + r8][pr.c0]);
+      const float x[2] = {fmaf(bf16_lo(gv), gate_mul, gate_add[0]), fmaf(bf16_hi(gv), gate_mul, gate_add[1])};
+      for (int e = 0; e < 2; ++e) G[e][r8] = acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(x[e])), acc[e]);
+    }
+  } else {
+    for (int r8 = 0; r8 < 8; ++r8) {
+      for (int e = 0; e < 2; ++e) {
+        const int r = pr.r0 + r8, col = pr.c0 + e;
+        const float gv = g_f32 ? s.g.g32[r][col] : __bfloat162float(s.g.g16[r][col]);
+        if (lower_bound)
+          acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(fmaf(gv, gate_mul, gate_add[e]))), acc[e]);
+        else
+          acc[e] = fmaf(gv, kLog2e, acc[e]);
+        G[e][r8] = acc[e];
+      }
+    }
+  }
+  if (rows < kChunk) {  // rows past the end add no decay
+    for (int e = 0; e < 2; ++e)
+      for (int r8 = 0; r8 < 8; ++r8)
+        if (pr.r0 + r8 >= rows) G[e][r8] = r8 > 0 ? G[e][r8 - 1] : 0.f;
+  }
+  // The upper half adds the lower half's total (lane - 16); then G_16 is the upper half's last.
+  float G16[2];
+  for (int e = 0; e < 2; ++e) {
+    const float below = __shfl_up_sync(0xffffffffu, G[e][7], 16);
+    const float base = pr.r0 ? below : 0.f;
+    for (int r8 = 0; r8 < 8; ++r8) G[e][r8] += base;
+    G16[e] = __shfl_down_sync(0xffffffffu, G[e][7], 16);  // the upper half keeps its own
   }
   __syncthreads();  // every thread has read g and the row norms: G may replace g
 
-  // Decayed operands: float32 tiles for the MMAs; q_decayed and k_restored to the workspace.
-  const float scale = static_cast<float>(p.scale);
   // The lower-bound gate decays by at most |lb| a token: with lb >= -5.02 no row of 16 tokens
   // gets past the limit, and the per-row test is skipped.
   const bool may_be_far = !lower_bound || p.lower_bound * kChunk * kLog2e < -kExp2Limit;
-  unsigned far = 0;
-  for (int r = 0; r < kChunk; ++r) {
-    s.g.G[r][ch] = G[r];
-    const float qn = __bfloat162float(s.q[r][ch]) * s.rq[r], kn = __bfloat162float(s.k[r][ch]) * s.rk[r];
-    const float decay = exp2_approx(G[r]);
-    const float qd = scale * qn * decay;
-    s.qd[r][ch] = qd;
-    s.kd[r][ch] = kn * decay;
-    s.ki[r][ch] = kn * exp2_approx(fminf(-G[r], kExp2Limit));
-    *reinterpret_cast<__nv_bfloat16*>(ws + WS::q_decayed + tile_offset(r, ch)) = __float2bfloat16_rn(qd);
-    *reinterpret_cast<__nv_bfloat16*>(ws + WS::k_restored + tile_offset(r, ch)) =
-        __float2bfloat16_rn(kn * exp2_approx(G[kChunk - 1] - G[r]));
-    if (may_be_far) far |= static_cast<unsigned>(G[r] < -kExp2Limit) << r;
-  }
-  reinterpret_cast<float*>(ws + WS::gamma)[ch] = exp2_approx(G[kChunk - 1]);
-  if (may_be_far) {
-    far = __reduce_or_sync(0xffffffffu, far);
-    if (lane == 0 && far) atomicOr(&s.far_rows, far);
-  }
-  __syncthreads();
-
-  // 2. A (warps 0, 1) and M (warps 2, 3), 8 columns j each, factored form.
-  {
-    const bool is_A = warp < 2;
-    const int j0 = (warp % 2) * 8;
-    Tf32x3Accumulators d[2];  // even and odd k-steps: two independent MMA chains
-    for (int k0 = 0; k0 < kHeadDim; k0 += 8) {
-      float a[4], b[2];
-      left_fragment(a, is_A ? s.kd : s.qd, k0, g_row, t_col);
-      b[0] = s.ki[j0 + g_row][k0 + t_col];
-      b[1] = s.ki[j0 + g_row][k0 + t_col + 4];
-      mma_3xtf32(d[(k0 / 8) % 2], a, b);
-    }
-    for (int e = 0; e < 4; ++e) {
-      const int i = g_row + 8 * (e / 2), j = j0 + 2 * t_col + e % 2;
-      const float value = d[0].sum(e) + d[1].sum(e);
-      if (is_A)
-        s.A[i][j] = j < i ? value * s.beta[i] : 0.f;
-      else
-        s.M[i][j] = j <= i ? value : 0.f;
-    }
-  }
-  __syncthreads();
-  const unsigned far_rows = s.far_rows;
-  if (far_rows) {  // rows past the limit: exp(G_i - G_j) pairwise, exact at any depth
-    for (int e = tid; e < kChunk * kChunk; e += kThreads) {
-      const int i = e / kChunk, j = e % kChunk;
-      if (!((far_rows >> i) & 1) || j > i) continue;
-      float a = 0.f, m = 0.f;
-      for (int d = 0; d < kHeadDim; ++d) {
-        const float kj = __bfloat162float(s.k[j][d]) * s.rk[j] * exp2f(fminf(s.g.G[i][d] - s.g.G[j][d], 0.f));
-        a = fmaf(__bfloat162float(s.k[i][d]), kj, a);
-        m = fmaf(__bfloat162float(s.q[i][d]), kj, m);
-      }
-      s.A[i][j] = j < i ? a * s.rk[i] * s.beta[i] : 0.f;
-      s.M[i][j] = m * s.rq[i] * scale;
-    }
-    __syncthreads();
-  }
-  for (int e = tid; e < kChunk * kChunk; e += kThreads)
-    reinterpret_cast<__nv_bfloat16*>(ws + WS::M)[e] = __float2bfloat16_rn(s.M[e / kChunk][e % kChunk]);
-
-  // 3. inverse_beta column j = (I + A)^-1 beta_j e_j, as a bf16 pair (hi + lo) for the recurrence.
-  if (tid < kChunk) {
-    const int j = tid;
-    float ib[kChunk];
-    for (int r = 0; r < kChunk; ++r) ib[r] = r == j ? s.beta[j] : 0.f;
-    forward_substitute(ib, s.A);
-    for (int r = 0; r < kChunk; ++r) {
-      const __nv_bfloat16 hi = __float2bfloat16_rn(ib[r]);
-      reinterpret_cast<__nv_bfloat16*>(ws + WS::inverse_beta_hi)[r * kChunk + j] = hi;
-      reinterpret_cast<__nv_bfloat16*>(ws + WS::inverse_beta_lo)[r * kChunk + j] =
-          __float2bfloat16_rn(ib[r] - __bfloat162float(hi));
-    }
-  }
-  __syncwarp();  // keeps the two solves apart: interleaved, their registers spill
-  // 4. w = (I + A)^-1 Diag(beta) K~ for this channel.
-  float w[kChunk];
-  for (int r = 0; r < kChunk; ++r) w[r] = s.beta[r] * s.kd[r][ch];
-  forward_substitute(w, s.A);
-  for (int r = 0; r < kChunk; ++r)
-    *reinterpret_cast<__nv_bfloat16*>(ws + WS::w + tile_offset(r, ch)) = __float2bfloat16_rn(w[r]);
+  if (may_be_far)
+    prepare_body<true>(p, s, pr, G, G16, ws);
+  else
+    prepare_body<false>(p, s, pr, G, G16, ws);
 }
 
 }  // namespace kda
