@@ -76,6 +76,7 @@ def stubbed_device(folder: Path):
             (loader, "driver_launch", stub_launch),
             (torch.cuda, "current_device", lambda: 0),
             (forward, "_current_raw_stream", lambda index: 0),
+            (forward, "sm_count", lambda index: 132),
             *((driver, name, stub) for name, stub in DRIVER_STUBS.items()),
         ):
             stack.enter_context(mock.patch.object(target, name, value))

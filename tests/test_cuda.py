@@ -91,8 +91,8 @@ def test_params_mirror_matches_the_header():
     assert sorted(int(b) for b in flags.values()) == sorted(v.bit_length() - 1 for v in loader.FLAGS.values())
     recurrence = (SOURCES / "recurrence.cu").read_text()
     prepare = (SOURCES / "prepare.cu").read_text()
-    assert f"kStages = {loader.STAGES};" in recurrence
     assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
+    assert f"kStages = {loader.STAGES};" in recurrence
     widths = re.findall(r"Stage<(\d+)>::kSharedBytes == (\d+)", recurrence)
     assert {int(w): int(b) for w, b in widths} == {w: loader.stage_bytes(w) for w in loader.RECURRENCE_WIDTHS}
     assert all(f"kda_recurrence_w{w}(" in recurrence for w in loader.RECURRENCE_WIDTHS)
@@ -150,6 +150,14 @@ def test_unsupported_calls_are_refused_with_the_feature_named(name, over, reason
     assert reason in BACKEND.rejects(p)
 
 
+@pytest.mark.parametrize("name", ["g", "beta"])
+def test_gate_inputs_the_kernels_cannot_read_are_refused_by_name(name):
+    case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=1)
+    setattr(case, name, getattr(case, name).double())  # validation allows float64 g and beta
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    assert BACKEND.rejects(p) == f"`{name}` in torch.float64 (the CUDA kernels read bfloat16 or float32)"
+
+
 @pytest.mark.parametrize("where", ["initial", "final"])
 def test_bfloat16_states_are_refused(where):
     case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=2)
@@ -191,6 +199,8 @@ def test_bad_cta_width_override_is_refused(monkeypatch):
 def test_kda_cuda_off_switch(monkeypatch):
     monkeypatch.setenv("KDA_CUDA", "0")
     assert BACKEND.availability() == "turned off by KDA_CUDA=0"
+    monkeypatch.setenv("KDA_CUDA", "1")
+    assert BACKEND.availability() != "turned off by KDA_CUDA=0"
 
 
 # ----------------------------------------------------------------------------- GPU only

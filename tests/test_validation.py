@@ -100,3 +100,40 @@ def test_transpose_state_layout_alias():
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
     with pytest.raises(ValueError, match="transpose_state_layout"):
         kda.chunk_kda(**args, initial_state=h0, state_v_first=True, transpose_state_layout=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_problem_sizes_are_those_of_the_tensors(varlen, state_v_first):
+    """Backends read the sizes from the Problem's fields, filled once while checking."""
+    from kda.api import checked_problem
+
+    seq = dict(seq_lens=[5, 0, 11]) if varlen else dict(B=2, T=7)
+    case = make_case(**seq, H=2, HV=4, K=16, V=8, state_v_first=state_v_first, seed=0)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    B, T, H, K = case.q.shape
+    N = 3 if varlen else B
+    assert (p.B, p.T, p.H, p.K, p.HV, p.V, p.N) == (B, T, H, K, 4, 8, N)
+    assert p.state_shape == ((N, 4, 8, K) if state_v_first else (N, 4, K, 8))
+    assert p.state_shape == case.initial_state.shape and p.gate_form == "lower_bound"
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(use_gate_in_kernel=False))
+    assert p.gate_form == "precomputed"
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(lower_bound=None, safe_gate=False))
+    assert p.gate_form == "softplus"
+
+
+def test_checking_leaves_the_callers_keyword_arguments_alone():
+    """check_chunk_kda reads fla's extra keyword arguments without popping them: a dict reused
+    across calls (as checked_problem's callers and the benchmarks do) checks the same each time."""
+    from kda import validation
+
+    args = base(backend="torch")
+    args.pop("backend")
+    extra = {name: args.pop(name) for name in ("A_log", "dt_bias")} | {"chunk_size": 64, "head_first": False}
+    args |= dict(return_intermediate_states=False, disable_recompute=False, cu_seqlens_cpu=None)
+    args |= dict(final_state_dtype=None, scale=None, allow_neg_eigval=False, cu_seqlens=None)
+    before = dict(extra)
+    first = validation.check_chunk_kda(args, extra)
+    assert extra == before
+    again = validation.check_chunk_kda(args, extra)
+    assert again.A_log is not None and torch.equal(again.A_log, first.A_log)

@@ -108,7 +108,7 @@ def refusal(backend: Backend, problem: Problem) -> str | None:
 def select(problem: Problem, requested: str) -> Backend:
     """The backend that runs ``problem``; raises if an explicit choice cannot."""
     if requested != "auto":
-        backend = get_backend(requested)
+        backend = _backends.get(requested) or get_backend(requested)  # get_backend: the first call, or a bad name
         reason = refusal(backend, problem)
         if reason is not None:
             raise BackendUnavailableError(f"backend={requested!r} cannot run {problem.describe()}: {reason}")

@@ -13,18 +13,30 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 MAX_HEAD_DIM = 256
 SAFE_LOWER_BOUND_MIN = -5.0
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Per input dtype (q's): the dtypes g and beta may have, and those of the states: float32
+# (fla's only choice) or bfloat16 (kda's extension; carried in float32 inside), float64 with
+# float64 inputs. One lookup a call instead of building the tuples.
+GATE_DTYPES = {dtype: (dtype, torch.float32, torch.float64) for dtype in FLOAT_DTYPES}
+STATE_DTYPES = {dtype: (torch.float32, torch.bfloat16) for dtype in FLOAT_DTYPES} | {torch.float64: (torch.float64,)}
 # Keyword arguments of fla 0.6.0 that this package accepts and ignores (they tune fla's own
 # kernels, not the function computed).
 IGNORED_KWARGS = ("chunk_size", "use_graph", "max_num_seqs")
+# Every keyword argument chunk_kda takes in ``**kwargs``: the gate parameters, the deprecated
+# state layout flag, fla's unsupported features (refused when set) and the ignored ones.
+KNOWN_KWARGS = frozenset(("A_log", "dt_bias", "transpose_state_layout", "head_first", "cp_context", *IGNORED_KWARGS))
 
 
 @dataclass(slots=True)  # slots: a third less host time to build, once per call
 class Problem:
-    """A checked KDA forward call. Tensors are contiguous; flags are plain Python values."""
+    """A checked KDA forward call. Tensors are contiguous; flags are plain Python values.
+
+    The sizes are fields, read from the shapes once while checking: backends read them
+    several times a call, and each shape read builds a torch.Size."""
 
     op: str
     q: torch.Tensor
@@ -49,49 +61,21 @@ class Problem:
     cu_seqlens_values: tuple[int, ...] | None  # cu_seqlens as Python ints (the chunk tables' cache key)
     requires_grad: bool  # autograd will want a backward through this call
     final_state_dtype: torch.dtype  # of the returned final state: float32 (fla's) unless asked otherwise
-
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def T(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def H(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def K(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def HV(self) -> int:
-        return self.v.shape[2]
-
-    @property
-    def V(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def N(self) -> int:
-        """Number of sequences (state slots)."""
-        return self.B if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
-
-    @property
-    def gate_form(self) -> str:
-        """``"precomputed"``, ``"lower_bound"`` or ``"softplus"``."""
-        if not self.use_gate:
-            return "precomputed"
-        return "lower_bound" if self.lower_bound is not None else "softplus"
+    B: int
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+    N: int  # number of sequences (state slots): B, or len(cu_seqlens) - 1
+    gate_form: str  # "precomputed" (g is the log-decay), "lower_bound" or "softplus"
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
         """``[N, HV, V, K]`` with ``state_v_first``, else ``[N, HV, K, V]``."""
-        _, _, HV, V = self.v.shape  # each shape read builds a torch.Size: one per tensor
-        N, K = self.N, self.q.shape[3]
-        return (N, HV, V, K) if self.state_v_first else (N, HV, K, V)
+        if self.state_v_first:
+            return (self.N, self.HV, self.V, self.K)
+        return (self.N, self.HV, self.K, self.V)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -106,20 +90,34 @@ class Problem:
         )
 
 
+# The checks below run on every call, against a host budget of tens of microseconds: each
+# condition is tested inline (a helper call costs about 0.1 us) and the helpers only build
+# the error, once a condition has failed.
+
+
 def _require_tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def _require_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
-    if x.shape != expected:  # torch.Size is a tuple
-        raise ValueError(f"`{name}` must have shape {what}={list(expected)}, got {list(x.shape)}")
+def _require_tensors(**named: object) -> None:
+    for name, x in named.items():
+        _require_tensor(name, x)
+
+
+def _shape_error(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> ValueError:
+    return ValueError(f"`{name}` must have shape {what}={list(expected)}, got {list(x.shape)}")
 
 
 def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.device != device:
         raise ValueError(f"`{name}` is on {x.device} but `q` is on {device}; all tensors must share a device")
+
+
+def _require_devices(device: torch.device, **named: torch.Tensor) -> None:
+    for name, x in named.items():
+        _require_device(name, x, device)
 
 
 def _any_requires_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
@@ -141,16 +139,18 @@ def _check_cu_seqlens(
     cu = _require_tensor("cu_seqlens", cu_seqlens)
     if cu.dtype != torch.int64:
         raise TypeError(f"`cu_seqlens` must be int64 (torch.long), got {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"`cu_seqlens` must be 1-D with at least 2 entries [N+1], got shape {list(cu.shape)}")
-    _require_device("cu_seqlens", cu, device)
+    shape = cu.shape
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"`cu_seqlens` must be 1-D with at least 2 entries [N+1], got shape {list(shape)}")
+    if cu.device != device:
+        _require_device("cu_seqlens", cu, device)
     if B != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (flatten the sequences), got B={B}")
     if cu_seqlens_cpu is not None:
         host = _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
-        if not host.is_cpu or host.dtype != torch.int64 or host.shape != cu.shape:
+        if not host.is_cpu or host.dtype != torch.int64 or host.shape != shape:
             raise ValueError(
-                f"`cu_seqlens_cpu` must be an int64 CPU copy of `cu_seqlens` with shape {list(cu.shape)}, "
+                f"`cu_seqlens_cpu` must be an int64 CPU copy of `cu_seqlens` with shape {list(shape)}, "
                 f"got {host.dtype} on {host.device} with shape {list(host.shape)}"
             )
         values = host
@@ -181,25 +181,36 @@ def _check_gate_params(
             raise ValueError("`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is not set")
     else:
         a = _require_tensor("A_log", A_log)
-        if a.numel() != HV:
-            raise ValueError(f"`A_log` must have HV={HV} elements (shape [HV]), got shape {list(a.shape)}")
-        _require_device("A_log", a, device)
-        # A reshape or a dtype conversion costs about a microsecond even when it changes nothing.
-        A_log = _float32_contiguous(a if a.ndim == 1 else a.reshape(HV))
+        shape = a.shape
+        # The usual [HV] passes on one shape comparison; other shapes of HV elements are reshaped.
+        if shape != (HV,):
+            if a.numel() != HV:
+                raise ValueError(f"`A_log` must have HV={HV} elements (shape [HV]), got shape {list(shape)}")
+            a = a.reshape(HV)  # a reshape costs about a microsecond even when it changes nothing
+        if a.device != device:
+            _require_device("A_log", a, device)
+        A_log = _float32_contiguous(a)
     if dt_bias is not None:
         d = _require_tensor("dt_bias", dt_bias)
-        if d.numel() != HV * K or d.shape[-1] not in (K, HV * K):
-            raise ValueError(f"`dt_bias` must have shape [HV*K]={[HV * K]} or [HV, K]={[HV, K]}, got {list(d.shape)}")
-        _require_device("dt_bias", d, device)
-        dt_bias = _float32_contiguous(d if d.shape in ((HV * K,), (HV, K)) else d.reshape(HV, K))
+        shape = d.shape
+        if shape != (HV * K,) and shape != (HV, K):
+            if d.numel() != HV * K or shape[-1] not in (K, HV * K):
+                raise ValueError(f"`dt_bias` must have shape [HV*K]={[HV * K]} or [HV, K]={[HV, K]}, got {list(shape)}")
+            d = d.reshape(HV, K)
+        if d.device != device:
+            _require_device("dt_bias", d, device)
+        dt_bias = _float32_contiguous(d)
     return A_log, dt_bias
 
 
 def _float32_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # A dtype conversion costs about a microsecond even when it changes nothing.
     return (x if x.dtype == torch.float32 else x.float()).contiguous()
 
 
-def _pop_state_layout(state_v_first: bool, kwargs: dict) -> bool:
+def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
+    """Check fla's extra keyword arguments (read, never popped: the caller's dict may be reused)
+    and return ``state_v_first``, or the deprecated ``transpose_state_layout`` in its place."""
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
@@ -208,86 +219,88 @@ def _pop_state_layout(state_v_first: bool, kwargs: dict) -> bool:
             DeprecationWarning,
             stacklevel=5,  # the caller of chunk_kda / fused_recurrent_kda
         )
-        state_v_first = bool(kwargs.pop("transpose_state_layout"))
-    return bool(state_v_first)
-
-
-def _check_kwargs(kwargs: dict) -> None:
-    if not kwargs:  # the usual call
-        return
+        state_v_first = kwargs["transpose_state_layout"]
     if kwargs.get("head_first"):
         raise ValueError("`head_first=True` is not supported by KDA: pass [B, T, H, K] tensors")
-    kwargs.pop("head_first", None)
     if kwargs.get("cp_context") is not None:
         raise ValueError("`cp_context` (context parallelism) is not supported")
-    kwargs.pop("cp_context", None)
-    for name in IGNORED_KWARGS:
-        kwargs.pop(name, None)
-    if kwargs:
-        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+    if not kwargs.keys() <= KNOWN_KWARGS:  # a subset test builds no set
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs.keys() - KNOWN_KWARGS))}")
+    return state_v_first
 
 
 def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
-    kwargs = dict(kwargs)
-    state_v_first = _pop_state_layout(args["state_v_first"], kwargs)
-    A_log = args.get("A_log", kwargs.pop("A_log", None))
-    dt_bias = args.get("dt_bias", kwargs.pop("dt_bias", None))
-    _check_kwargs(kwargs)
+    state_v_first = args["state_v_first"]
+    if "A_log" in args:  # fused_recurrent_kda's parameters; chunk_kda takes them in kwargs
+        A_log, dt_bias = args["A_log"], args["dt_bias"]
+    else:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    if kwargs:
+        state_v_first = _check_kwargs(state_v_first, kwargs)
+    state_v_first = bool(state_v_first)
 
-    # Checks written out one by one, not looped over (name, tensor) pairs: the loops cost a
-    # third more host time, and this runs on every call.
-    q = _require_tensor("q", args["q"])
-    k = _require_tensor("k", args["k"])
-    v = _require_tensor("v", args["v"])
-    g = _require_tensor("g", args["g"])
-    beta = _require_tensor("beta", args["beta"])
-    if q.ndim != 4:
-        raise ValueError(f"`q` must be 4-D [B, T, H, K], got shape {list(q.shape)}")
-    B, T, H, K = q.shape
-    _require_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    if v.ndim != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"`v` must be 4-D [B, T, HV, V] with B={B}, T={T}, got shape {list(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    _require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    if min(H, HV, K, V) < 1:
+    q, k, v, g, beta = args["q"], args["k"], args["v"], args["g"], args["beta"]
+    if not (
+        isinstance(q, Tensor)
+        and isinstance(k, Tensor)
+        and isinstance(v, Tensor)
+        and isinstance(g, Tensor)
+        and isinstance(beta, Tensor)
+    ):
+        _require_tensors(q=q, k=k, v=v, g=g, beta=beta)
+    q_shape = q.shape
+    if len(q_shape) != 4:
+        raise ValueError(f"`q` must be 4-D [B, T, H, K], got shape {list(q_shape)}")
+    B, T, H, K = q_shape
+    if k.shape != q_shape:
+        raise _shape_error("k", k, q_shape, "[B, T, H, K]")
+    v_shape = v.shape
+    if len(v_shape) != 4 or v_shape[0] != B or v_shape[1] != T:
+        raise ValueError(f"`v` must be 4-D [B, T, HV, V] with B={B}, T={T}, got shape {list(v_shape)}")
+    _, _, HV, V = v_shape
+    if g.shape != (B, T, HV, K):
+        raise _shape_error("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    if beta.shape != (B, T, HV):
+        raise _shape_error("beta", beta, (B, T, HV), "[B, T, HV]")
+    if H < 1 or HV < 1 or K < 1 or V < 1:
         raise ValueError(f"head counts and head dims must be >= 1, got H={H}, HV={HV}, K={K}, V={V}")
     if HV % H != 0:
         raise ValueError(f"`v` has HV={HV} heads, which must be a multiple of the H={H} heads of `q`")
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}, got K={K} (`q`), V={V} (`v`)")
 
-    if q.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"`q` must be float16, bfloat16, float32 or float64, got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"`{name}` has dtype {x.dtype} but `q` has {q.dtype}; q, k, v must match")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.dtype not in (q.dtype, torch.float32, torch.float64):
-            raise TypeError(f"`{name}` must have q's dtype ({q.dtype}) or float32, got {x.dtype}")
+    dtype = q.dtype
+    gate_dtypes = GATE_DTYPES.get(dtype)
+    if gate_dtypes is None:
+        raise TypeError(f"`q` must be float16, bfloat16, float32 or float64, got {dtype}")
+    if k.dtype != dtype or v.dtype != dtype:
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != dtype:
+                raise TypeError(f"`{name}` has dtype {x.dtype} but `q` has {dtype}; q, k, v must match")
+    if g.dtype not in gate_dtypes or beta.dtype not in gate_dtypes:
+        for name, x in (("g", g), ("beta", beta)):
+            if x.dtype not in gate_dtypes:
+                raise TypeError(f"`{name}` must have q's dtype ({dtype}) or float32, got {x.dtype}")
     device = q.device
-    _require_device("k", k, device)
-    _require_device("v", v, device)
-    _require_device("g", g, device)
-    _require_device("beta", beta, device)
+    if k.device != device or v.device != device or g.device != device or beta.device != device:
+        _require_devices(device, k=k, v=v, g=g, beta=beta)
 
     cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(
         args["cu_seqlens"], args.get("cu_seqlens_cpu"), B, T, device
     )
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = B if cu_seqlens_values is None else len(cu_seqlens_values) - 1
 
-    # States: float32 (fla's only choice) or bfloat16 (kda's extension; carried in float32
-    # inside), float64 with float64 inputs.
-    state_dtypes = (torch.float64,) if q.dtype == torch.float64 else (torch.float32, torch.bfloat16)
-    state_names = "float64" if q.dtype == torch.float64 else "float32 or bfloat16"
+    state_dtypes = STATE_DTYPES[dtype]
     initial_state = args["initial_state"]
     if initial_state is not None:
         h0 = _require_tensor("initial_state", initial_state)
-        layout, dims = ("[N, HV, V, K]", (N, HV, V, K)) if state_v_first else ("[N, HV, K, V]", (N, HV, K, V))
-        _require_shape("initial_state", h0, dims, layout)
+        dims = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if h0.shape != dims:
+            raise _shape_error("initial_state", h0, dims, "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]")
         if h0.dtype not in state_dtypes:
-            raise TypeError(f"`initial_state` must be {state_names} for {q.dtype} inputs, got {h0.dtype}")
-        _require_device("initial_state", h0, device)
+            raise TypeError(f"`initial_state` must be {_state_names(dtype)} for {dtype} inputs, got {h0.dtype}")
+        if h0.device != device:
+            _require_device("initial_state", h0, device)
         initial_state = h0.contiguous()
 
     final_state_dtype = args.get("final_state_dtype")
@@ -295,14 +308,14 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
         final_state_dtype = state_dtypes[0]
     elif final_state_dtype not in state_dtypes:
         raise TypeError(
-            f"`final_state_dtype` must be None or torch.{state_names.replace(' or ', ' or torch.')} for "
-            f"{q.dtype} inputs, got {final_state_dtype!r}"
+            f"`final_state_dtype` must be None or torch.{_state_names(dtype).replace(' or ', ' or torch.')} for "
+            f"{dtype} inputs, got {final_state_dtype!r}"
         )
 
     scale = args["scale"]
     if scale is None:
         scale = K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"`scale` must be a finite float or None, got {scale!r}")
 
     use_gate = bool(args["use_gate_in_kernel"])
@@ -327,36 +340,32 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
             )
     if use_gate:
         A_log, dt_bias = _check_gate_params(A_log, dt_bias, HV, K, device, lower_bound)
+        gate_form = "softplus" if lower_bound is None else "lower_bound"
     else:
-        A_log, dt_bias, lower_bound = None, None, None
-    differentiable = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    requires_grad = torch.is_grad_enabled() and _any_requires_grad(differentiable)
-
-    return Problem(
-        op=op,
-        q=q.contiguous(),
-        k=k.contiguous(),
-        v=v.contiguous(),
-        g=g.contiguous(),
-        beta=beta.contiguous(),
-        scale=float(scale),
-        initial_state=initial_state,
-        output_final_state=bool(args["output_final_state"]),
-        use_qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]),
-        use_gate=use_gate,
-        use_beta_sigmoid=use_beta_sigmoid,
-        allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate,
-        lower_bound=lower_bound,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        cu_seqlens_values=cu_seqlens_values,
-        requires_grad=requires_grad,
-        final_state_dtype=final_state_dtype,
+        A_log, dt_bias, lower_bound, gate_form = None, None, None, "precomputed"
+    # q to beta are never None: read directly, a third of the loop's time; the optional three loop.
+    requires_grad = torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or g.requires_grad
+        or beta.requires_grad
+        or _any_requires_grad((A_log, dt_bias, initial_state))
     )
+
+    # Positional, in field order: keyword construction of these 31 fields costs six times as
+    # much (2.5 us against 0.4).
+    return Problem(
+        op, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        float(scale), initial_state, bool(args["output_final_state"]), bool(args["use_qk_l2norm_in_kernel"]),
+        use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, state_v_first,
+        cu_seqlens, cu_seqlens_cpu, cu_seqlens_values, requires_grad, final_state_dtype,
+        B, T, H, K, HV, V, N, gate_form,
+    )  # fmt: skip
+
+
+def _state_names(dtype: torch.dtype) -> str:
+    return " or ".join(str(state).removeprefix("torch.") for state in STATE_DTYPES[dtype])
 
 
 def check_chunk_kda(args: dict, kwargs: dict) -> Problem:

@@ -20,6 +20,7 @@ import torch
 from kda.validation import Problem
 
 ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
+READ_DTYPES = (torch.bfloat16, torch.float32)  # of g and beta
 
 
 @cache
@@ -64,32 +65,33 @@ class CudaBackend:
     def rejects(self, p: Problem) -> str | None:
         """The first feature of ``p`` the kernels do not cover, or None. Features first,
         then where the tensors live (so the reasons read the same on any machine)."""
-        if p.q.dtype != torch.bfloat16:
-            return f"dtype {p.q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
-        _, _, H, K = p.q.shape  # one shape read each, not one per Problem property
-        _, _, HV, V = p.v.shape
-        if K != 128 or V != 128:
-            return f"head dims K={K}, V={V} (the CUDA kernels take K = V = 128)"
-        if HV != H:
-            return f"grouped value heads HV={HV} != H={H}"
+        q = p.q
+        if q.dtype != torch.bfloat16:
+            return f"dtype {q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
+        if p.K != 128 or p.V != 128:
+            return f"head dims K={p.K}, V={p.V} (the CUDA kernels take K = V = 128)"
+        if p.HV != p.H:
+            return f"grouped value heads HV={p.HV} != H={p.H}"
         if p.gate_form == "softplus":
             return "the softplus gate (unbounded; the CUDA kernels take the lower-bound gate or a precomputed g)"
-        for name in ("g", "beta"):
-            if getattr(p, name).dtype not in (torch.bfloat16, torch.float32):
-                return f"`{name}` in {getattr(p, name).dtype} (the CUDA kernels read bfloat16 or float32)"
+        if p.g.dtype not in READ_DTYPES or p.beta.dtype not in READ_DTYPES:
+            name, x = ("g", p.g) if p.g.dtype not in READ_DTYPES else ("beta", p.beta)
+            return f"`{name}` in {x.dtype} (the CUDA kernels read bfloat16 or float32)"
         if p.requires_grad:
             return "inputs require grad and there is no CUDA backward (use backend='torch')"
         if p.final_state_dtype != torch.float32 or (
             p.initial_state is not None and p.initial_state.dtype != torch.float32
         ):
             return "bfloat16 states (the CUDA kernels read and write float32 states)"
-        if not p.q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
-            return f"tensors on {p.q.device} (needs CUDA tensors)"
-        if _capability(p.q.get_device()) != (9, 0):
-            return f"tensors on {torch.cuda.get_device_name(p.q.device)}, not an sm_90 GPU"
-        for name in ("q", "k", "v", "g"):
-            if getattr(p, name).data_ptr() % ALIGNMENT:
-                return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
+        if not q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
+            return f"tensors on {q.device} (needs CUDA tensors)"
+        if _capability(q.get_device()) != (9, 0):
+            return f"tensors on {torch.cuda.get_device_name(q.device)}, not an sm_90 GPU"
+        # One test for the four addresses; the loop only names the misaligned one.
+        if (q.data_ptr() | p.k.data_ptr() | p.v.data_ptr() | p.g.data_ptr()) % ALIGNMENT:
+            for name in ("q", "k", "v", "g"):
+                if getattr(p, name).data_ptr() % ALIGNMENT:
+                    return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:

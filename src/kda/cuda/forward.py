@@ -41,6 +41,18 @@ def workspace_bytes(p: Problem, tables=None) -> int:
     return max((tables or chunk_tables(p)).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
 
 
+# loader.FLAGS as constants: ten dict lookups a call fewer.
+FLAG_GATE_LOWER_BOUND = loader.FLAGS["gate_lower_bound"]
+FLAG_HAS_A_LOG = loader.FLAGS["has_A_log"]
+FLAG_HAS_DT_BIAS = loader.FLAGS["has_dt_bias"]
+FLAG_L2NORM = loader.FLAGS["l2norm"]
+FLAG_BETA_SIGMOID = loader.FLAGS["beta_sigmoid"]
+FLAG_HAS_H0 = loader.FLAGS["has_h0"]
+FLAG_STORE_HT = loader.FLAGS["store_ht"]
+FLAG_STATE_V_FIRST = loader.FLAGS["state_v_first"]
+FLAG_G_FLOAT32 = loader.FLAGS["g_float32"]
+FLAG_BETA_FLOAT32 = loader.FLAGS["beta_float32"]
+
 # The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
 # building a torch.cuda.Stream object. Absent from CPU-only builds.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -59,8 +71,11 @@ def on_device(device_index: int) -> contextlib.AbstractContextManager:
     is torch's). When it already is, torch.cuda.device would not switch anything either
     (torch skips cudaSetDevice for the current device); skipping it saves its Python cost."""
     if torch.cuda.current_device() == device_index:
-        return contextlib.nullcontext()
+        return _STAY  # a nullcontext holds nothing: one serves every call and thread
     return torch.cuda.device(device_index)
+
+
+_STAY = contextlib.nullcontext()
 
 
 def chunk_forward(
@@ -75,60 +90,72 @@ def chunk_forward(
     which tests read through ``loader.workspace_views``, or fill and pass with
     ``run_prepare=False`` to test K2 alone."""
     kernels = loader.kernels()
-    device = p.q.device
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    q = p.q
+    device_index = q.get_device()
+    if device_index < 0:  # CPU tensors: the host-side tests, which stand in for the device
+        device_index = torch.cuda.current_device()
     kernels.configure(device_index)
     o = torch.empty_like(p.v) if out is None else out
     ht = None
     if p.output_final_state:
-        ht = (
-            torch.empty(p.state_shape, dtype=torch.float32, device=device)
-            if final_state_out is None
-            else final_state_out
-        )
+        ht = final_state_out
+        if ht is None:
+            h0 = p.initial_state
+            # The backend takes float32 states only, so a given initial state has the final
+            # state's shape and dtype: empty_like skips parsing a shape, dtype and device.
+            ht = torch.empty_like(h0) if h0 is not None else q.new_empty(p.state_shape, dtype=torch.float32)
     N, H = p.N, p.H
     if N * H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return o, ht
     tables = chunk_tables(p)
+    num_chunks = tables.num_chunks
     if workspace is None:
-        workspace = torch.empty(workspace_bytes(p, tables), dtype=torch.uint8, device=device)
+        workspace = q.new_empty(workspace_bytes(p, tables), dtype=torch.uint8)
 
-    flags = loader.FLAGS
+    A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
     bits = 0
     if p.gate_form == "lower_bound":
-        bits |= flags["gate_lower_bound"]
-        bits |= flags["has_A_log"] if p.A_log is not None else 0
-        bits |= flags["has_dt_bias"] if p.dt_bias is not None else 0
-    bits |= flags["l2norm"] if p.use_qk_l2norm else 0
-    bits |= flags["beta_sigmoid"] if p.use_beta_sigmoid else 0
-    bits |= flags["has_h0"] if p.initial_state is not None else 0
-    bits |= flags["store_ht"] if ht is not None else 0
-    bits |= flags["state_v_first"] if p.state_v_first else 0
-    bits |= flags["g_float32"] if p.g.dtype == torch.float32 else 0
-    bits |= flags["beta_float32"] if p.beta.dtype == torch.float32 else 0
-
-    def address(x: torch.Tensor | None) -> int:
-        return 0 if x is None else x.data_ptr()
+        bits = FLAG_GATE_LOWER_BOUND
+        if A_log is not None:
+            bits |= FLAG_HAS_A_LOG
+        if dt_bias is not None:
+            bits |= FLAG_HAS_DT_BIAS
+    if p.use_qk_l2norm:
+        bits |= FLAG_L2NORM
+    if p.use_beta_sigmoid:
+        bits |= FLAG_BETA_SIGMOID
+    if h0 is not None:
+        bits |= FLAG_HAS_H0
+    if ht is not None:
+        bits |= FLAG_STORE_HT
+    if p.state_v_first:
+        bits |= FLAG_STATE_V_FIRST
+    if p.g.dtype == torch.float32:
+        bits |= FLAG_G_FLOAT32
+    if p.beta.dtype == torch.float32:
+        bits |= FLAG_BETA_FLOAT32
 
     warps = recurrence_warps(N * H, sm_count(device_index))
     params = (  # loader.Params, field by field
-        p.q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
-        address(p.A_log), address(p.dt_bias), address(p.initial_state),
-        address(ht), o.data_ptr(), workspace.data_ptr(),
+        q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
+        0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
+        o.data_ptr(), workspace.data_ptr(),
         tables.seq_offsets.data_ptr(), tables.chunk_offsets.data_ptr(),
         tables.chunk_seq.data_ptr(), tables.seq_order.data_ptr(),
-        tables.num_chunks, N, H, bits,
+        num_chunks, N, H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
     stream = current_stream(device_index)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
-        if tables.num_chunks and run_prepare:
-            kernels.launch("kda_prepare", (tables.num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+        if num_chunks and run_prepare:
+            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
         threads = 32 * (warps + 1)  # the consumer warps and one producer warp
-        kernels.launch(f"kda_recurrence_w{warps}", grid, threads, loader.stage_bytes(warps), stream)
+        name, shared_bytes = loader.RECURRENCE_KERNELS[warps]
+        kernels.launch(name, grid, threads, shared_bytes, stream)
         note("cuda:recurrence")
     return o, ht

@@ -98,6 +98,10 @@ def stage_bytes(warps: int) -> int:
     return STAGES * (WORKSPACE_BYTES + 16 * (32 * warps + 16)) + 512 * warps
 
 
+# Per recurrence width: its entry point and dynamic shared memory, looked up once per call.
+RECURRENCE_KERNELS = {warps: (f"kda_recurrence_w{warps}", stage_bytes(warps)) for warps in RECURRENCE_WIDTHS}
+
+
 def swizzle_tiles(tiles):
     """Row-major ``[..., 16, 128]`` tiles <-> the stored layout of kda_cuda.cuh ``tile_offset``
     (16-byte piece c of row r at piece c ^ (r % 8)). The map is its own inverse."""
@@ -168,7 +172,7 @@ class Kernels:
         self.kernels = {}
         entry_points = {
             "prepare.fatbin": ("kda_prepare",),
-            "recurrence.fatbin": tuple(f"kda_recurrence_w{warps}" for warps in RECURRENCE_WIDTHS),
+            "recurrence.fatbin": tuple(name for name, _ in RECURRENCE_KERNELS.values()),
         }
         for artefact, names in entry_points.items():
             image = (folder / artefact).read_bytes()
@@ -195,7 +199,10 @@ class Kernels:
         kernels come from context-independent libraries and launch in the calling thread's
         current context; a thread that has only met torch's cached allocator and streams may
         have none, and then gets ``device_index``'s primary context (torch's)."""
-        bound = self.threads.__dict__.setdefault("bound", set())
+        try:
+            bound = self.threads.bound
+        except AttributeError:  # this thread's first launch
+            bound = self.threads.bound = set()
         if device_index in bound:
             return
         driver = self.driver
@@ -215,10 +222,10 @@ class Kernels:
         driver = self.driver
         device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         attributes = driver.CUfunction_attribute
-        for warps in RECURRENCE_WIDTHS:
-            kernel = self.kernels[f"kda_recurrence_w{warps}"]
+        for name, shared_bytes in RECURRENCE_KERNELS.values():
+            kernel = self.kernels[name]
             for attribute, value in (
-                (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, stage_bytes(warps)),
+                (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
                 (attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),  # percent of the maximum
             ):
                 check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")

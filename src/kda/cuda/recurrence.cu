@@ -23,7 +23,7 @@
 namespace kda {
 namespace {
 
-constexpr int kStages = 3;
+constexpr int kStages = 3;  // four for four consumer warps measured the same (session 5, run 6)
 
 // One pipeline stage: the chunk's workspace block as K1 stored it (tiles already swizzled),
 // then the CTA's [16, BV] slice of v, rows padded by 16 bytes so that the eight rows an
@@ -106,7 +106,8 @@ __device__ __forceinline__ void recurrence(const Params& p) {
         St[j][e] = (p.flags & kHasH0) ? p.h0[state_base + state_offset(lane, j, e)] : 0.f;
 
   // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
-  // empty[s]: every consumer warp is done reading it.
+  // empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in round
+  // i / kStages; both sides step the stage and the round's parity instead of dividing.
   __shared__ uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -116,12 +117,16 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  auto stage_of = [&](int64_t i) { return smem + (i % kStages) * Stage<WARPS>::kBytes; };
+  int stage = 0, round_parity = 0;
+  auto next_stage = [&] {
+    if (++stage == kStages) stage = 0, round_parity ^= 1;
+  };
   if (warp == WARPS) {  // the producer warp: runs up to kStages chunks ahead of the consumers
-    for (int64_t i = 0; i < num_chunks; ++i) {
-      if (i >= kStages) mbarrier_wait(empty[i % kStages], static_cast<int>((i / kStages - 1) & 1));
+    for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+      // Round r >= 1 refills a stage once the consumers' r-th release of it (parity r - 1) is in.
+      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
       const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - i * kChunk));
-      load_stage<WARPS>(stage_of(i), full[i % kStages],
+      load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
                         p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, rows, h, v0);
     }
     return;
@@ -129,10 +134,10 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
                                                              warp * Stage<WARPS>::kOutBytes);
 
-  for (int64_t i = 0; i < num_chunks; ++i) {
-    mbarrier_wait(full[i % kStages], static_cast<int>((i / kStages) & 1));
+  for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+    mbarrier_wait(full[stage], round_parity);
 
-    const unsigned char* st = stage_of(i);
+    const unsigned char* st = smem + stage * Stage<WARPS>::kBytes;
     const unsigned char* tile_qd = st + WS::q_decayed;
     const unsigned char* tile_w = st + WS::w;
     const unsigned char* tile_kr = st + WS::k_restored;
@@ -208,7 +213,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
     __syncwarp();
-    if (lane.l == 0) mbarrier_arrive(empty[i % kStages]);  // this warp is done with the stage
+    if (lane.l == 0) mbarrier_arrive(empty[stage]);  // this warp is done with the stage
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
       for (int e = 0; e < 4; ++e)
