@@ -2,9 +2,9 @@
 // pairs and slices of V.
 //
 // A CTA of WARPS consumer warps (plus a producer warp) owns 16 * WARPS rows of the VK state
-// of one (sequence, head); each consumer warp owns 16 rows, S^T [16, 128], in float32 mma.sync accumulators for the whole sequence
-// (64 registers a thread). Rows of the VK state evolve independently, so the V split needs
-// no exchange. Per chunk, transposed as in kda/triton/recurrence.py:
+// of one (sequence, head); each consumer warp owns 16 rows, S^T [16, 128], in float32
+// mma.sync accumulators for the whole sequence (64 registers a thread). Rows of the VK state
+// evolve independently, so the V split needs no exchange. Per chunk, transposed as in kda/triton/recurrence.py:
 //
 //     U^T      = V^T inverse_beta^T - S^T w^T
 //     S^T_next = S^T Diag(gamma) + U^T k_restored
