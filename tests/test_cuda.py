@@ -159,13 +159,13 @@ def test_gate_inputs_the_kernels_cannot_read_are_refused_by_name(name):
 
 
 @pytest.mark.parametrize("where", ["initial", "final"])
-def test_bfloat16_states_are_refused(where):
+def test_bfloat16_states_are_not_refused(where):
     case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=2)
     if where == "initial":
         case.initial_state = case.initial_state.to(torch.bfloat16)
     kw = case.kwargs(final_state_dtype=torch.bfloat16) if where == "final" else case.kwargs()
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
-    assert "bfloat16 states" in BACKEND.rejects(p)
+    assert BACKEND.rejects(p) == "tensors on cpu (needs CUDA tensors)"  # the first check that applies here
 
 
 def test_requires_grad_is_refused():
@@ -239,18 +239,24 @@ def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0
     steep=st.sampled_from([0, 0, 40]),  # steps of g = -50 (precomputed g): prepare's pairwise rows
     lower_bound=st.sampled_from([-5.0, -3.0, -0.5]),  # the safe gate's range (lower-bound gate only)
     scale=st.sampled_from([None, 0.05]),
+    bf16_initial=st.booleans(),
+    bf16_final=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, with_state, steep, lower_bound, scale,
-                                          seed):  # fmt: skip
+                                          bf16_initial, bf16_final, seed):  # fmt: skip
     case = cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=steep)
+    if bf16_initial and case.initial_state is not None:
+        case.initial_state = case.initial_state.to(torch.bfloat16)
     over = dict(scale=scale) | (dict(lower_bound=lower_bound) if gate == "lower_bound" else {})
+    state_out = dict(final_state_dtype=torch.bfloat16) if bf16_final else {}
     with mock.patch.dict(os.environ), kda.record_dispatch() as events:
         os.environ.pop("KDA_CUDA", None)  # on unless turned off (hypothesis examples share no fixtures)
-        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**over))
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**over, **state_out))
     assert "cuda:recurrence" in events
-    o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs(**over))
-    c64 = case.to(torch.float64)
+    assert ht.dtype == (torch.bfloat16 if bf16_final else torch.float32)
+    o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs(**over, **state_out))
+    c64 = case.to(torch.float64)  # a bf16 initial state converts exactly
     o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(**over))
     assert_close_fp64(o, o_ref, 5e-3, "o")
     assert_close_fp64(ht, ht_ref, 5e-3, "final state")
@@ -277,15 +283,16 @@ def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
-@pytest.mark.parametrize("layout", [False, True])
-def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout):
+@pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dtype):
     from kda.cuda.forward import chunk_forward
 
     case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    case.initial_state = case.initial_state.to(state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
     guard = 4096
     o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), device="cuda")
+    h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
     o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
     state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
     ht = h_buf[guard:-guard].view(state_shape)

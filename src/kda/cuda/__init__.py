@@ -79,10 +79,6 @@ class CudaBackend:
             return f"`{name}` in {x.dtype} (the CUDA kernels read bfloat16 or float32)"
         if p.requires_grad:
             return "inputs require grad and there is no CUDA backward (use backend='torch')"
-        if p.final_state_dtype != torch.float32 or (
-            p.initial_state is not None and p.initial_state.dtype != torch.float32
-        ):
-            return "bfloat16 states (the CUDA kernels read and write float32 states)"
         if not q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {q.device} (needs CUDA tensors)"
         if _capability(q.get_device()) != (9, 0):

@@ -52,6 +52,8 @@ FLAG_STORE_HT = loader.FLAGS["store_ht"]
 FLAG_STATE_V_FIRST = loader.FLAGS["state_v_first"]
 FLAG_G_FLOAT32 = loader.FLAGS["g_float32"]
 FLAG_BETA_FLOAT32 = loader.FLAGS["beta_float32"]
+FLAG_H0_BFLOAT16 = loader.FLAGS["h0_bfloat16"]
+FLAG_HT_BFLOAT16 = loader.FLAGS["ht_bfloat16"]
 
 # The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
 # building a torch.cuda.Stream object. Absent from CPU-only builds.
@@ -100,10 +102,13 @@ def chunk_forward(
     if p.output_final_state:
         ht = final_state_out
         if ht is None:
-            h0 = p.initial_state
-            # The backend takes float32 states only, so a given initial state has the final
-            # state's shape and dtype: empty_like skips parsing a shape, dtype and device.
-            ht = torch.empty_like(h0) if h0 is not None else q.new_empty(p.state_shape, dtype=torch.float32)
+            h0, dtype = p.initial_state, p.final_state_dtype
+            # A given initial state has the final state's shape (and often its dtype), and is
+            # contiguous: empty_like then skips parsing a shape, dtype and device.
+            if h0 is not None and h0.dtype == dtype:
+                ht = torch.empty_like(h0)
+            else:
+                ht = q.new_empty(p.state_shape, dtype=dtype)
     N, H = p.N, p.H
     if N * H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return o, ht
@@ -126,8 +131,12 @@ def chunk_forward(
         bits |= FLAG_BETA_SIGMOID
     if h0 is not None:
         bits |= FLAG_HAS_H0
+        if h0.dtype == torch.bfloat16:
+            bits |= FLAG_H0_BFLOAT16
     if ht is not None:
         bits |= FLAG_STORE_HT
+        if ht.dtype == torch.bfloat16:
+            bits |= FLAG_HT_BFLOAT16
     if p.state_v_first:
         bits |= FLAG_STATE_V_FIRST
     if p.g.dtype == torch.float32:

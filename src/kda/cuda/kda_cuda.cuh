@@ -33,6 +33,8 @@ enum : int64_t {
   kStateVFirst = 1 << 7,  // states are [N, HV, V, K] (VK); otherwise [N, HV, K, V]
   kGFloat32 = 1 << 8,     // g is float32 (else bfloat16)
   kBetaFloat32 = 1 << 9,  // beta is float32 (else bfloat16)
+  kH0Bfloat16 = 1 << 10,  // the initial state is bfloat16 (else float32); carried in float32
+  kHtBfloat16 = 1 << 11,  // the final state is stored in bfloat16 (else float32)
 };
 
 // One parameter block for both kernels, passed by value. Every field is 8 bytes so that
@@ -46,8 +48,8 @@ struct Params {
   const void* beta;        // [T_total, H], bf16 or fp32
   const float* A_log;      // [H]
   const float* dt_bias;    // [H, 128]
-  const float* h0;         // [N, H, 128, 128] fp32
-  float* ht;               // [N, H, 128, 128] fp32
+  const void* h0;          // [N, H, 128, 128] fp32 or bf16 (kH0Bfloat16)
+  void* ht;                // [N, H, 128, 128] fp32 or bf16 (kHtBfloat16)
   __nv_bfloat16* o;        // [T_total, H, 128]
   unsigned char* workspace;       // [num_chunks, H, kWorkspaceBytes]
   const int64_t* seq_offsets;     // [N + 1] token offsets

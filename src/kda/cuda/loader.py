@@ -48,6 +48,8 @@ FLAGS = {  # kda_cuda.cuh: the Params::flags bits
     "state_v_first": 1 << 7,
     "g_float32": 1 << 8,
     "beta_float32": 1 << 9,
+    "h0_bfloat16": 1 << 10,
+    "ht_bfloat16": 1 << 11,
 }
 
 

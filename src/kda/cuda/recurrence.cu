@@ -102,8 +102,12 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const int64_t state_base = nh * kHeadDim * kHeadDim;
   if (warp < WARPS)
     for (int j = 0; j < 16; ++j)
-      for (int e = 0; e < 4; ++e)
-        St[j][e] = (p.flags & kHasH0) ? p.h0[state_base + state_offset(lane, j, e)] : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int64_t at = state_base + state_offset(lane, j, e);
+        St[j][e] = !(p.flags & kHasH0)       ? 0.f
+                   : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
+                                             : static_cast<const float*>(p.h0)[at];
+      }
 
   // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
   // empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in round
@@ -229,7 +233,10 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   if (p.flags & kStoreHt)
     for (int j = 0; j < 16; ++j)
       for (int e = 0; e < 4; ++e)
-        p.ht[state_base + state_offset(lane, j, e)] = St[j][e];
+        if (p.flags & kHtBfloat16)
+          static_cast<__nv_bfloat16*>(p.ht)[state_base + state_offset(lane, j, e)] = __float2bfloat16_rn(St[j][e]);
+        else
+          static_cast<float*>(p.ht)[state_base + state_offset(lane, j, e)] = St[j][e];
 }
 
 }  // namespace
