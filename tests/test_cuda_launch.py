@@ -76,7 +76,8 @@ def test_direct_launch_passes_the_driver_arguments_in_order(load_kernels):
 
 def test_failed_direct_launch_raises_with_the_driver_text(load_kernels, monkeypatch):
     monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (OK, b"invalid argument"))
-    kernels = load_kernels(FakeLibcuda(status=int(driver.CUresult.CUDA_ERROR_INVALID_VALUE)).launch)
+    libcuda = FakeLibcuda(status=int(driver.CUresult.CUDA_ERROR_INVALID_VALUE))  # alive: it owns the C callback
+    kernels = load_kernels(libcuda.launch)
     name = next(iter(kernels.kernels))
     with pytest.raises(loader.CudaError, match=f"launching {name} failed: CUDA_ERROR_INVALID_VALUE: invalid argument"):
         kernels.launch(name, (1, 1), 32, 0, 0)
@@ -93,7 +94,8 @@ def test_launch_goes_through_cuda_bindings_without_libcuda(load_kernels, monkeyp
     ]
 
 
-def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monkeypatch):
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monkeypatch, state_dtype):
     """The Params block is packed positionally (one struct.pack_into); every field must land
     under its own name, for both launches, on the current device's current stream."""
     libcuda = FakeLibcuda()
@@ -103,8 +105,11 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(state_v_first=True))
+    case.initial_state = case.initial_state.to(state_dtype)
+    kw = case.kwargs(state_v_first=True, final_state_dtype=state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     o, ht = forward.chunk_forward(p)
+    assert ht.dtype == state_dtype and ht.shape == p.state_shape
 
     (prepare_args, prm), (recurrence_args, prm_again) = libcuda.calls
     assert bytes(prm) == bytes(prm_again)
@@ -124,6 +129,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     expected_flags |= flags["beta_float32"] if p.beta.dtype == torch.float32 else 0
     expected_flags |= flags["l2norm"] if p.use_qk_l2norm else 0
     expected_flags |= flags["beta_sigmoid"] if p.use_beta_sigmoid else 0
+    expected_flags |= flags["h0_bfloat16"] | flags["ht_bfloat16"] if state_dtype == torch.bfloat16 else 0
     assert (prm.num_chunks, prm.num_seqs, prm.heads, prm.flags) == (tables.num_chunks, 2, 2, expected_flags)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, p.lower_bound, 2.0 if p.allow_neg_eigval else 1.0)
     assert prm.workspace != 0
@@ -150,7 +156,8 @@ def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, m
         driver, "cuDevicePrimaryCtxRetain", lambda dev: calls.append("retain") or (OK, driver.CUcontext(0x99))
     )
     monkeypatch.setattr(driver, "cuCtxSetCurrent", lambda ctx: calls.append(int(ctx)) or (OK,))
-    kernels = load_kernels(FakeLibcuda().launch)
+    libcuda = FakeLibcuda()  # alive while its C callback may be called
+    kernels = load_kernels(libcuda.launch)
     kernels.bind_context(0)
     kernels.bind_context(0)
     assert calls == ["retain", 0x99]
@@ -161,7 +168,8 @@ def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, m
 
 
 def test_grids_past_cuda_limits_are_refused_before_the_driver(load_kernels):
-    kernels = load_kernels(FakeLibcuda().launch)
+    libcuda = FakeLibcuda()  # alive while its C callback may be called
+    kernels = load_kernels(libcuda.launch)
     name = next(iter(kernels.kernels))
     for grid in ((2**32 + 5, 1), (0, 1), (1, 2**16)):
         with pytest.raises(ValueError, match="outside CUDA's limits"):
