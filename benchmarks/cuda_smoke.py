@@ -1,5 +1,6 @@
 """A small CUDA-path call for compute-sanitizer (memcheck, racecheck): varlen with an empty,
-a one-token and a tail-chunk sequence, both state layouts. Exits non-zero on a wrong answer."""
+a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states. Exits
+non-zero on a wrong answer."""
 
 import sys
 
@@ -12,11 +13,12 @@ sys.path.insert(0, "tests")
 from helpers import fp64_reference, make_case  # noqa: E402
 
 worst = 0.0
-for layout in (False, True):
+for layout, state_dtype in ((False, torch.float32), (True, torch.float32), (True, torch.bfloat16)):
     case = make_case(seq_lens=[0, 1, 37, 16], H=2, K=128, V=128, dtype=torch.bfloat16, state_v_first=layout,
                      device="cuda", seed=3)  # fmt: skip
+    case.initial_state = case.initial_state.to(state_dtype)
     with kda.record_dispatch() as events:
-        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(final_state_dtype=state_dtype))
     torch.cuda.synchronize()
     assert "cuda:recurrence" in events, events
     o_ref, ht_ref = fp64_reference(case)
