@@ -81,6 +81,13 @@ def test_bad_input_is_rejected(name, over, exc, needle):
         assert torch.equal(h0, before), "a caller tensor was modified"
 
 
+def test_a_0d_dt_bias_is_refused_by_name():
+    """HV * K = 1: a 0-d dt_bias has the right element count but no shape to read a K from."""
+    case = make_case(T=5, H=1, HV=1, K=1, V=4, gate="lower_bound", seed=1)
+    with pytest.raises(ValueError, match="`dt_bias`"):
+        kda.chunk_kda(*case.tensors(), **case.kwargs(dt_bias=torch.tensor(0.5)))
+
+
 def test_fused_recurrent_validates_too():
     args = base(q=torch.randn(T_, H_, K_))
     args.pop("safe_gate")

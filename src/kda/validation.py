@@ -194,7 +194,7 @@ def _check_gate_params(
         d = _require_tensor("dt_bias", dt_bias)
         shape = d.shape
         if shape != (HV * K,) and shape != (HV, K):
-            if d.numel() != HV * K or shape[-1] not in (K, HV * K):
+            if d.numel() != HV * K or not shape or shape[-1] not in (K, HV * K):
                 raise ValueError(f"`dt_bias` must have shape [HV*K]={[HV * K]} or [HV, K]={[HV, K]}, got {list(shape)}")
             d = d.reshape(HV, K)
         if d.device != device:

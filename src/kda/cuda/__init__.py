@@ -3,11 +3,12 @@
 (:mod:`kda.cuda.loader`).
 
 It covers bf16 inputs with K = V = 128, H = HV, the lower-bound gate or a precomputed g,
-varlen and batched, fp32 states in either layout, on sm_90 GPUs. Anything else is
-refused with the reason and ``backend="auto"`` moves on to Triton.
+varlen and batched, float32 or bfloat16 states in either layout (carried in float32), on
+sm_90 GPUs. Anything else is refused with the reason and ``backend="auto"`` moves on to
+Triton.
 
 ``KDA_CUDA=0`` turns the backend off. This release's kernels passed tests/test_cuda.py and
-compute-sanitizer memcheck and racecheck on an H200 (``benchmarks/NOTES.md``, session 4).
+compute-sanitizer memcheck and racecheck on an H200 (``benchmarks/NOTES.md``, session 5).
 """
 
 from __future__ import annotations

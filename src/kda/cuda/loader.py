@@ -216,20 +216,22 @@ class Kernels:
 
     def configure(self, device_index: int) -> None:
         """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB), and
-        ask for the largest shared-memory carveout, so that shared memory never holds the
-        number of resident CTAs below what their registers allow (the driver sizes the
-        carveout by its own estimate of residency)."""
+        ask for the largest shared-memory carveout for both kernels, so that shared memory
+        never holds the number of resident CTAs below what their registers allow (the driver
+        sizes the carveout by its own estimate of residency; K1's five CTAs of 45.0 KB need
+        225 KB of the 228)."""
         if device_index in self.configured_devices:
             return
         driver = self.driver
         device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         attributes = driver.CUfunction_attribute
-        for name, shared_bytes in RECURRENCE_KERNELS.values():
+        carveout = attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        for name, shared_bytes in (("kda_prepare", None), *RECURRENCE_KERNELS.values()):
             kernel = self.kernels[name]
-            for attribute, value in (
-                (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
-                (attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),  # percent of the maximum
-            ):
+            settings = [(carveout, 100)]  # percent of the maximum
+            if shared_bytes is not None:
+                settings.append((attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes))
+            for attribute, value in settings:
                 check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
 

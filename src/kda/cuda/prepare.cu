@@ -34,7 +34,7 @@ constexpr int kThreads = 128;
 // Row stride (floats) of the float32 operand tiles: 132 = 4 mod 32, so the (row g, column t)
 // pattern of an MMA fragment load, g < 8, t < 4, hits 32 distinct banks.
 constexpr int kPad = kHeadDim + 4;
-constexpr int kRowPad = kChunk + 4;  // A's rows 16-byte aligned for float4 reads, 4 mod 32
+constexpr int kRowPad = kChunk + 4;  // 20 floats: A's rows 16-byte aligned for float4 reads
 // Row stride (bf16) of the raw q and k tiles: 272 bytes, 17 pieces of 16 bytes, so the eight
 // rows of an ldmatrix read at one column land in eight different bank groups.
 constexpr int kRawPad = kHeadDim + 8;
@@ -81,7 +81,10 @@ __device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x 
 __device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
 
 // x rounded to the nearest tf32 value (ties away from zero) once the tensor core drops its
-// low 13 mantissa bits: one integer add instead of a truncation bias.
+// low 13 mantissa bits: one integer add instead of a truncation bias. For finite x (and
+// infinities); a NaN whose high mantissa bits are all ones wraps to a zero, so a NaN in q or
+// k does not reach M through this product. It still reaches the outputs, through q_decayed
+// and through A (split by a mask, which keeps NaNs) and so w and the state.
 __device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // x_i = b_i - sum_{l < i} A_il x_l for the 16 rows of one right-hand side, in place.
@@ -443,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Para
     for (int r8 = 0; r8 < 8; ++r8) G[e][r8] += base;
     G16[e] = __shfl_down_sync(0xffffffffu, G[e][7], 16);  // the upper half keeps its own
   }
-  __syncthreads();  // every thread has read g and the row norms: G may replace g
+  __syncthreads();  // every thread has read g (G may replace it) and warps 2, 3 have written the norms
 
   // The lower-bound gate decays by at most |lb| a token: with lb >= -5.02 no row of 16 tokens
   // gets past the limit, and the per-row test is skipped.
