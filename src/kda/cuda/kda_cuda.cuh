@@ -151,17 +151,24 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
-__device__ __forceinline__ void mma_3xtf32(Tf32x3Accumulators& d, const float (&a)[4], const float (&b)[2]) {
+// The three products (a_lo b_hi, a_hi b_lo, a_hi b_hi, in that order) into three accumulators,
+// which may be one and the same.
+__device__ __forceinline__ void mma_3xtf32(float (&lo_a)[4], float (&lo_b)[4], float (&hi)[4], const float (&a)[4],
+                                           const float (&b)[2]) {
   uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
   for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
   for (int e = 0; e < 2; ++e) split_tf32(b[e], b_hi[e], b_lo[e]);
   using Tf32 = cute::SM80_16x8x8_F32TF32TF32F32_TN;
-  Tf32::fma(d.lo_a[0], d.lo_a[1], d.lo_a[2], d.lo_a[3], a_lo[0], a_lo[1], a_lo[2], a_lo[3], b_hi[0], b_hi[1],
-            d.lo_a[0], d.lo_a[1], d.lo_a[2], d.lo_a[3]);
-  Tf32::fma(d.lo_b[0], d.lo_b[1], d.lo_b[2], d.lo_b[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_lo[0], b_lo[1],
-            d.lo_b[0], d.lo_b[1], d.lo_b[2], d.lo_b[3]);
-  Tf32::fma(d.hi[0], d.hi[1], d.hi[2], d.hi[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_hi[0], b_hi[1], d.hi[0],
-            d.hi[1], d.hi[2], d.hi[3]);
+  Tf32::fma(lo_a[0], lo_a[1], lo_a[2], lo_a[3], a_lo[0], a_lo[1], a_lo[2], a_lo[3], b_hi[0], b_hi[1], lo_a[0], lo_a[1],
+            lo_a[2], lo_a[3]);
+  Tf32::fma(lo_b[0], lo_b[1], lo_b[2], lo_b[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_lo[0], b_lo[1], lo_b[0], lo_b[1],
+            lo_b[2], lo_b[3]);
+  Tf32::fma(hi[0], hi[1], hi[2], hi[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_hi[0], b_hi[1], hi[0], hi[1], hi[2],
+            hi[3]);
+}
+
+__device__ __forceinline__ void mma_3xtf32(Tf32x3Accumulators& d, const float (&a)[4], const float (&b)[2]) {
+  mma_3xtf32(d.lo_a, d.lo_b, d.hi, a, b);
 }
 
 // mbarrier wait (on a phase parity) and arrive, as CuTe's wait_barrier / arrive_barrier but

@@ -105,17 +105,11 @@ __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const flo
   }
 }
 
-// A B in 3xTF32 as mma_3xtf32, but all three products in one accumulator, small ones first
-// (float32-level still; no final sums): for w, which is only rounded to bf16 and has
-// independent tiles to overlap its chains with.
+// A B in 3xTF32 with all three products in one accumulator, small ones first (float32-level
+// still; no final sums): for w, which is only rounded to bf16 and has independent tiles to
+// overlap its chains with.
 __device__ __forceinline__ void mma_3xtf32_single(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
-  uint32_t a_hi[4], a_lo[4], b_hi[2], b_lo[2];
-  for (int e = 0; e < 4; ++e) split_tf32(a[e], a_hi[e], a_lo[e]);
-  for (int e = 0; e < 2; ++e) split_tf32(b[e], b_hi[e], b_lo[e]);
-  using Tf32 = cute::SM80_16x8x8_F32TF32TF32F32_TN;
-  Tf32::fma(d[0], d[1], d[2], d[3], a_lo[0], a_lo[1], a_lo[2], a_lo[3], b_hi[0], b_hi[1], d[0], d[1], d[2], d[3]);
-  Tf32::fma(d[0], d[1], d[2], d[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_lo[0], b_lo[1], d[0], d[1], d[2], d[3]);
-  Tf32::fma(d[0], d[1], d[2], d[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3], b_hi[0], b_hi[1], d[0], d[1], d[2], d[3]);
+  mma_3xtf32(d, d, d, a, b);
 }
 
 // Rows g, g + 8 and columns c0 + t, c0 + t + 4 of X: the left operand of an m16n8k8 MMA.
