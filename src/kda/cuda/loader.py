@@ -225,14 +225,16 @@ class Kernels:
         driver = self.driver
         device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         attributes = driver.CUfunction_attribute
-        carveout = attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        for name, shared_bytes in (("kda_prepare", None), *RECURRENCE_KERNELS.values()):
-            kernel = self.kernels[name]
-            settings = [(carveout, 100)]  # percent of the maximum
-            if shared_bytes is not None:
-                settings.append((attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes))
-            for attribute, value in settings:
-                check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
+        settings = [  # the carveout in percent of the maximum
+            (attributes.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100, kernel)
+            for kernel in self.kernels.values()
+        ]
+        settings += [
+            (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes, self.kernels[name])
+            for name, shared_bytes in RECURRENCE_KERNELS.values()
+        ]
+        for attribute, value, kernel in settings:
+            check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
 
     def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
