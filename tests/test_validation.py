@@ -99,8 +99,9 @@ def test_transpose_state_layout_alias():
     args = base(backend="torch")
     h0 = args.pop("initial_state")
     args.pop("state_v_first")
-    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout") as caught:
         o, ht = kda.chunk_kda(**args, initial_state=h0.transpose(-1, -2).contiguous(), transpose_state_layout=True)
+    assert caught[0].filename == __file__, "the warning should point at the caller of chunk_kda"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         o2, ht2 = kda.chunk_kda(**args, initial_state=h0.transpose(-1, -2).contiguous(), state_v_first=True)

@@ -73,7 +73,12 @@ def chunk_kda(
         ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
         of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
-    problem = validation.check_chunk_kda(locals(), kwargs)
+    problem = validation.check_problem(
+        "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+        kwargs.get("A_log"), kwargs.get("dt_bias"), return_intermediate_states, state_v_first, cu_seqlens,
+        cu_seqlens_cpu, final_state_dtype, kwargs,
+    )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
 
 
@@ -107,7 +112,11 @@ def fused_recurrent_kda(
     directly. The ``torch`` backend runs the token-by-token reference; the others run their
     chunked kernels, which compute the same function.
     """
-    problem = validation.check_fused_recurrent_kda(locals(), kwargs)
+    problem = validation.check_problem(
+        "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
+        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+    )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
 
 

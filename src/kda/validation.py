@@ -136,7 +136,7 @@ def _check_cu_seqlens(
         if cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         return None, None, None
-    cu = _require_tensor("cu_seqlens", cu_seqlens)
+    cu = cu_seqlens if isinstance(cu_seqlens, Tensor) else _require_tensor("cu_seqlens", cu_seqlens)
     if cu.dtype != torch.int64:
         raise TypeError(f"`cu_seqlens` must be int64 (torch.long), got {cu.dtype}")
     shape = cu.shape
@@ -147,7 +147,9 @@ def _check_cu_seqlens(
     if B != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (flatten the sequences), got B={B}")
     if cu_seqlens_cpu is not None:
-        host = _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        host = (
+            cu_seqlens_cpu if isinstance(cu_seqlens_cpu, Tensor) else _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        )
         if not host.is_cpu or host.dtype != torch.int64 or host.shape != shape:
             raise ValueError(
                 f"`cu_seqlens_cpu` must be an int64 CPU copy of `cu_seqlens` with shape {list(shape)}, "
@@ -176,11 +178,13 @@ def _check_cu_seqlens(
 def _check_gate_params(
     A_log: object, dt_bias: object, HV: int, K: int, device: torch.device, lower_bound: float | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # Each tensor is converted only when needed: a dtype conversion or a helper call costs host
+    # time even when it changes nothing.
     if A_log is None:
         if lower_bound is None:
             raise ValueError("`A_log` must be given when `use_gate_in_kernel=True` and `lower_bound` is not set")
     else:
-        a = _require_tensor("A_log", A_log)
+        a = A_log if isinstance(A_log, Tensor) else _require_tensor("A_log", A_log)
         shape = a.shape
         # The usual [HV] passes on one shape comparison; other shapes of HV elements are reshaped.
         if shape != (HV,):
@@ -189,9 +193,9 @@ def _check_gate_params(
             a = a.reshape(HV)  # a reshape costs about a microsecond even when it changes nothing
         if a.device != device:
             _require_device("A_log", a, device)
-        A_log = _float32_contiguous(a)
+        A_log = (a if a.dtype == torch.float32 else a.float()).contiguous()
     if dt_bias is not None:
-        d = _require_tensor("dt_bias", dt_bias)
+        d = dt_bias if isinstance(dt_bias, Tensor) else _require_tensor("dt_bias", dt_bias)
         shape = d.shape
         if shape != (HV * K,) and shape != (HV, K):
             if d.numel() != HV * K or not shape or shape[-1] not in (K, HV * K):
@@ -199,13 +203,8 @@ def _check_gate_params(
             d = d.reshape(HV, K)
         if d.device != device:
             _require_device("dt_bias", d, device)
-        dt_bias = _float32_contiguous(d)
+        dt_bias = (d if d.dtype == torch.float32 else d.float()).contiguous()
     return A_log, dt_bias
-
-
-def _float32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # A dtype conversion costs about a microsecond even when it changes nothing.
-    return (x if x.dtype == torch.float32 else x.float()).contiguous()
 
 
 def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
@@ -217,7 +216,7 @@ def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
         warnings.warn(
             "`transpose_state_layout` is deprecated; use `state_v_first`",
             DeprecationWarning,
-            stacklevel=5,  # the caller of chunk_kda / fused_recurrent_kda
+            stacklevel=4,  # the caller of chunk_kda / fused_recurrent_kda (through check_problem)
         )
         state_v_first = kwargs["transpose_state_layout"]
     if kwargs.get("head_first"):
@@ -229,17 +228,43 @@ def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
     return state_v_first
 
 
-def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
-    state_v_first = args["state_v_first"]
-    if "A_log" in args:  # fused_recurrent_kda's parameters; chunk_kda takes them in kwargs
-        A_log, dt_bias = args["A_log"], args["dt_bias"]
-    else:
-        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+def check_problem(
+    op: str,
+    q: object,
+    k: object,
+    v: object,
+    g: object,
+    beta: object,
+    scale: object,
+    initial_state: object,
+    output_final_state: object,
+    use_qk_l2norm_in_kernel: object,
+    use_gate_in_kernel: object,
+    use_beta_sigmoid_in_kernel: object,
+    allow_neg_eigval: object,
+    safe_gate: object,
+    lower_bound: object,
+    A_log: object,
+    dt_bias: object,
+    return_intermediate_states: object,
+    state_v_first: object,
+    cu_seqlens: object,
+    cu_seqlens_cpu: object,
+    final_state_dtype: object,
+    kwargs: dict,
+) -> Problem:
+    """Check one call of ``op`` (the public function's arguments in this order, positionally:
+    a third of the host time of passing them in a dict) and return its :class:`Problem`.
+    ``kwargs``: fla's extra keyword arguments, read and never popped."""
+    if return_intermediate_states:
+        raise ValueError(
+            "`return_intermediate_states=True` is not supported: kda runs chunks of 16, so fla's "
+            "chunk-64 intermediate states have no counterpart here"
+        )
     if kwargs:
         state_v_first = _check_kwargs(state_v_first, kwargs)
     state_v_first = bool(state_v_first)
 
-    q, k, v, g, beta = args["q"], args["k"], args["v"], args["g"], args["beta"]
     if not (
         isinstance(q, Tensor)
         and isinstance(k, Tensor)
@@ -285,15 +310,12 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
     if k.device != device or v.device != device or g.device != device or beta.device != device:
         _require_devices(device, k=k, v=v, g=g, beta=beta)
 
-    cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(
-        args["cu_seqlens"], args.get("cu_seqlens_cpu"), B, T, device
-    )
+    cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
     N = B if cu_seqlens_values is None else len(cu_seqlens_values) - 1
 
     state_dtypes = STATE_DTYPES[dtype]
-    initial_state = args["initial_state"]
     if initial_state is not None:
-        h0 = _require_tensor("initial_state", initial_state)
+        h0 = initial_state if isinstance(initial_state, Tensor) else _require_tensor("initial_state", initial_state)
         dims = (N, HV, V, K) if state_v_first else (N, HV, K, V)
         if h0.shape != dims:
             raise _shape_error("initial_state", h0, dims, "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]")
@@ -303,7 +325,6 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
             _require_device("initial_state", h0, device)
         initial_state = h0.contiguous()
 
-    final_state_dtype = args.get("final_state_dtype")
     if final_state_dtype is None:
         final_state_dtype = state_dtypes[0]
     elif final_state_dtype not in state_dtypes:
@@ -312,17 +333,15 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
             f"{dtype} inputs, got {final_state_dtype!r}"
         )
 
-    scale = args["scale"]
     if scale is None:
         scale = K**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"`scale` must be a finite float or None, got {scale!r}")
 
-    use_gate = bool(args["use_gate_in_kernel"])
-    use_beta_sigmoid = bool(args["use_beta_sigmoid_in_kernel"])
-    allow_neg_eigval = bool(args["allow_neg_eigval"])
-    safe_gate = bool(args.get("safe_gate", False))
-    lower_bound = args["lower_bound"]
+    use_gate = bool(use_gate_in_kernel)
+    use_beta_sigmoid = bool(use_beta_sigmoid_in_kernel)
+    allow_neg_eigval = bool(allow_neg_eigval)
+    safe_gate = bool(safe_gate)
     if allow_neg_eigval and not use_beta_sigmoid:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     if lower_bound is not None:
@@ -357,7 +376,7 @@ def _check_problem(op: str, args: dict, kwargs: dict) -> Problem:
     # much (2.5 us against 0.4).
     return Problem(
         op, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-        float(scale), initial_state, bool(args["output_final_state"]), bool(args["use_qk_l2norm_in_kernel"]),
+        float(scale), initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, state_v_first,
         cu_seqlens, cu_seqlens_cpu, cu_seqlens_values, requires_grad, final_state_dtype,
         B, T, H, K, HV, V, N, gate_form,
@@ -369,15 +388,22 @@ def _state_names(dtype: torch.dtype) -> str:
 
 
 def check_chunk_kda(args: dict, kwargs: dict) -> Problem:
-    """Check the arguments of :func:`kda.chunk_kda` (``args``: its named parameters)."""
-    if args["return_intermediate_states"]:
-        raise ValueError(
-            "`return_intermediate_states=True` is not supported: kda runs chunks of 16, so fla's "
-            "chunk-64 intermediate states have no counterpart here"
-        )
-    return _check_problem("chunk_kda", args, kwargs)
+    """:func:`check_problem` for :func:`kda.chunk_kda`'s arguments as a dict (``args``: its
+    named parameters; ``kwargs``: its extra keyword arguments, where A_log and dt_bias go)."""
+    return _check_dict("chunk_kda", args, kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs)
 
 
 def check_fused_recurrent_kda(args: dict, kwargs: dict) -> Problem:
-    """Check the arguments of :func:`kda.fused_recurrent_kda` (``args``: its named parameters)."""
-    return _check_problem("fused_recurrent_kda", args, kwargs)
+    """:func:`check_problem` for :func:`kda.fused_recurrent_kda`'s arguments as a dict."""
+    return _check_dict("fused_recurrent_kda", args, args.get("A_log"), args.get("dt_bias"), kwargs)
+
+
+def _check_dict(op: str, args: dict, A_log: object, dt_bias: object, kwargs: dict) -> Problem:
+    get = args.get
+    return check_problem(
+        op, args["q"], args["k"], args["v"], args["g"], args["beta"], get("scale"), get("initial_state"),
+        get("output_final_state", False), get("use_qk_l2norm_in_kernel", False), get("use_gate_in_kernel", False),
+        get("use_beta_sigmoid_in_kernel", False), get("allow_neg_eigval", False), get("safe_gate", False),
+        get("lower_bound"), A_log, dt_bias, get("return_intermediate_states", False), get("state_v_first", False),
+        get("cu_seqlens"), get("cu_seqlens_cpu"), get("final_state_dtype"), kwargs,
+    )  # fmt: skip
