@@ -20,7 +20,6 @@ import cProfile
 import ctypes
 import ctypes.util
 import inspect
-import os
 import pstats
 import sys
 import tempfile
@@ -66,9 +65,8 @@ def stubbed_device(folder: Path):
         return None if reason is not None and reason.startswith("tensors on cpu") else reason
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(os.environ))
-        os.environ.pop("KDA_CUDA", None)
         for target, name, value in (
+            (kda.cuda, "TURNED_OFF", False),
             (kda.cuda, "_static_availability", lambda: None),
             (kda.cuda, "_capability", lambda index: (9, 0)),
             (kda.cuda.CudaBackend, "rejects", rejects),

@@ -5,7 +5,6 @@ reference and against Triton, full writes, no stray writes, strict causality, th
 really running, CUDA-graph capture."""
 
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -181,25 +180,42 @@ def test_longest_sequences_are_scheduled_first():
     assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
-def test_recurrence_width_follows_the_pair_count_unless_overridden(monkeypatch):
-    monkeypatch.delenv("KDA_CUDA_WARPS", raising=False)
+@pytest.fixture
+def switches(monkeypatch):
+    """Set or clear the backend's environment switches and re-read them (they are read at
+    import); the switches of the environment are read back afterwards."""
+
+    def switch(name, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        kda.cuda.read_switches()
+
+    yield switch
+    monkeypatch.undo()
+    kda.cuda.read_switches()
+
+
+def test_recurrence_width_follows_the_pair_count_unless_overridden(switches):
+    switches("KDA_CUDA_WARPS", None)
     assert recurrence_warps(pairs=96, sms=132) == 2
     assert recurrence_warps(pairs=395, sms=132) == 2
     assert recurrence_warps(pairs=396, sms=132) == 4
-    monkeypatch.setenv("KDA_CUDA_WARPS", "1")
+    switches("KDA_CUDA_WARPS", "1")
     assert recurrence_warps(pairs=96, sms=132) == 1
 
 
-def test_bad_cta_width_override_is_refused(monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_WARPS", "3")
+def test_bad_cta_width_override_is_refused(switches):
+    switches("KDA_CUDA_WARPS", "3")
     with pytest.raises(ValueError, match="KDA_CUDA_WARPS"):
         recurrence_warps(pairs=1, sms=132)
 
 
-def test_kda_cuda_off_switch(monkeypatch):
-    monkeypatch.setenv("KDA_CUDA", "0")
+def test_kda_cuda_off_switch(switches):
+    switches("KDA_CUDA", "0")
     assert BACKEND.availability() == "turned off by KDA_CUDA=0"
-    monkeypatch.setenv("KDA_CUDA", "1")
+    switches("KDA_CUDA", "1")
     assert BACKEND.availability() != "turned off by KDA_CUDA=0"
 
 
@@ -212,9 +228,9 @@ cuda_ready = pytest.mark.skipif(
 
 
 @pytest.fixture
-def cuda_on(monkeypatch):
+def cuda_on(switches):
     """The backend is on unless KDA_CUDA=0: these tests drop that switch."""
-    monkeypatch.delenv("KDA_CUDA", raising=False)
+    switches("KDA_CUDA", None)
 
 
 def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0):
@@ -250,8 +266,8 @@ def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, wit
         case.initial_state = case.initial_state.to(torch.bfloat16)
     over = dict(scale=scale) | (dict(lower_bound=lower_bound) if gate == "lower_bound" else {})
     state_out = dict(final_state_dtype=torch.bfloat16) if bf16_final else {}
-    with mock.patch.dict(os.environ), kda.record_dispatch() as events:
-        os.environ.pop("KDA_CUDA", None)  # on unless turned off (hypothesis examples share no fixtures)
+    # On unless turned off (hypothesis examples share no fixtures).
+    with mock.patch.object(kda.cuda, "TURNED_OFF", False), kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**over, **state_out))
     assert "cuda:recurrence" in events
     assert ht.dtype == (torch.bfloat16 if bf16_final else torch.float32)
@@ -336,6 +352,37 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 @cuda_ready
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
     assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_stream_workspace_is_reused_in_stream_order_and_never_captured(cuda_on):
+    """Small workspaces are kept per stream: calls with different inputs queued back to back
+    on one stream each give their own result; a capture allocates its own workspace."""
+    from kda.cuda import forward
+
+    cases = [cuda_case([200, 64], 2, True, "lower_bound", False, True, seed=s) for s in (15, 16)]
+    kws = [dict(c.kwargs(), cu_seqlens_cpu=c.cu_seqlens.cpu()) for c in cases]
+    expected = []
+    for case, kw in zip(cases, kws):
+        expected.append(kda.chunk_kda(*case.tensors(), backend="cuda", **kw))
+        torch.cuda.synchronize()
+    key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    kept = forward._workspaces[key]
+    results = [kda.chunk_kda(*cases[i % 2].tensors(), backend="cuda", **kws[i % 2]) for i in range(6)]
+    torch.cuda.synchronize()
+    assert forward._workspaces[key] is kept
+    for i, (o, ht) in enumerate(results):
+        assert torch.equal(o, expected[i % 2][0]) and torch.equal(ht, expected[i % 2][1]), f"call {i}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured, _ = kda.chunk_kda(*cases[0].tensors(), backend="cuda", **kws[0])
+    assert (key[0], side.cuda_stream) not in forward._workspaces, "a capture must not use a kept workspace"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected[0][0])
 
 
 @pytest.mark.gpu

@@ -40,6 +40,12 @@ class FakeLibcuda:
         return self.status
 
 
+@pytest.fixture(autouse=True)
+def fresh_workspaces(monkeypatch):
+    """Each test starts with no kept stream workspaces and leaves none behind."""
+    monkeypatch.setattr(forward, "_workspaces", {})
+
+
 @pytest.fixture
 def load_kernels(monkeypatch, tmp_path):
     """``load_kernels(launch)``: a loader.Kernels over empty files, with the driver calls of
@@ -102,6 +108,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     kernels = load_kernels(libcuda.launch)
     monkeypatch.setattr(loader, "kernels", lambda: kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward, "_current_device", None)
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
@@ -140,6 +147,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
 
 def test_driver_calls_switch_device_only_when_another_is_current(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward, "_current_device", None)
     with forward.on_device(0):  # already current: nothing to switch (and no CUDA needed)
         pass
     assert isinstance(forward.on_device(1), torch.cuda.device)
@@ -174,3 +182,31 @@ def test_grids_past_cuda_limits_are_refused_before_the_driver(load_kernels):
     for grid in ((2**32 + 5, 1), (0, 1), (1, 2**16)):
         with pytest.raises(ValueError, match="outside CUDA's limits"):
             kernels.launch(name, grid, 32, 0, 0)
+
+
+def test_small_workspaces_are_kept_per_stream_and_large_ones_allocated_per_call(load_kernels, monkeypatch):
+    libcuda = FakeLibcuda()  # alive while its C callback may be called
+    kernels = load_kernels(libcuda.launch)
+    monkeypatch.setattr(loader, "kernels", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward, "_current_device", None)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    stream = {"handle": 0x5000}
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: stream["handle"])
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+
+    def workspace_of_next_call(problem):
+        libcuda.calls.clear()
+        forward.chunk_forward(problem)
+        (_, prm), _ = libcuda.calls
+        return prm.workspace
+
+    first = workspace_of_next_call(p)
+    assert workspace_of_next_call(p) == first == forward._workspaces[0, 0x5000].data_ptr()
+    stream["handle"] = 0x6000
+    assert workspace_of_next_call(p) != first and set(forward._workspaces) == {(0, 0x5000), (0, 0x6000)}
+    monkeypatch.setattr(forward, "SHARED_WORKSPACE_BYTES", forward.workspace_bytes(p) - 1)
+    stream["handle"] = 0x7000
+    workspace_of_next_call(p)
+    assert (0, 0x7000) not in forward._workspaces, "a workspace over the limit must not be kept"

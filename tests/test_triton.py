@@ -258,3 +258,27 @@ def test_chunk_tables_are_built_once_per_layout():
     assert chunk_tables(pa) is chunk_tables(pa2)
     assert chunk_tables(pb) is not chunk_tables(pa)
     assert chunk_tables(pb).chunk_offsets.tolist() == [0, 2, 3]
+
+
+def test_chunk_tables_keep_the_recent_layouts_and_every_captured_one(monkeypatch):
+    """The cache drops the least recently used layout beyond its size, never one a CUDA graph
+    captured (the graph replays its addresses)."""
+    from collections import OrderedDict
+
+    from kda.triton import common
+
+    monkeypatch.setattr(common, "_TABLES", OrderedDict())
+    monkeypatch.setattr(common, "_CAPTURED", {})
+    monkeypatch.setattr(common, "_last", (None, None))
+    monkeypatch.setattr(common, "TABLES_CACHED", 3)
+    cases = [make_case(seq_lens=[n, 3], H=1, K=16, V=16, seed=n) for n in range(1, 6)]
+    p = [checked_problem(kda.chunk_kda, *c.tensors(), **c.kwargs()) for c in cases]
+    captured = common.chunk_tables(p[0], capturing=True)
+    kept = [common.chunk_tables(x) for x in (p[1], p[2])]
+    assert common.chunk_tables(p[1]) is kept[0]  # p[1] is now the most recent
+    common.chunk_tables(p[3])
+    common.chunk_tables(p[4])
+    lengths = [key[-1][1] for key in common._TABLES]  # cu_seqlens values (0, n, n + 3): n
+    assert lengths == [2, 4, 5], "the least recently used layouts go first"
+    assert common.chunk_tables(p[0]) is captured, "a captured layout is kept for good"
+    assert common.chunk_tables(p[1]) is kept[0] and common.chunk_tables(p[1]) is kept[0]

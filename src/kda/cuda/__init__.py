@@ -7,8 +7,11 @@ varlen and batched, float32 or bfloat16 states in either layout (carried in floa
 sm_90 GPUs. Anything else is refused with the reason and ``backend="auto"`` moves on to
 Triton.
 
-``KDA_CUDA=0`` turns the backend off. This release's kernels passed tests/test_cuda.py and
-compute-sanitizer memcheck and racecheck on an H200 (``benchmarks/NOTES.md``, session 5).
+``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
+(``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
+
+This release's kernels passed tests/test_cuda.py and compute-sanitizer memcheck and
+racecheck on an H200 (``benchmarks/NOTES.md``, session 5).
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ from kda.validation import Problem
 
 ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
 READ_DTYPES = (torch.bfloat16, torch.float32)  # of g and beta
+TURNED_OFF = False  # KDA_CUDA=0
+WARPS_OVERRIDE: str | None = None  # KDA_CUDA_WARPS, checked where it is used
+
+
+def read_switches() -> None:
+    """Read ``KDA_CUDA`` and ``KDA_CUDA_WARPS`` from the environment: once, at import, as an
+    environment read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside
+    ``os.environ``) against a host budget of 40 us a call. Call it again after changing
+    either in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE
+    TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
+    WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
+
+
+read_switches()
 
 
 @cache
@@ -59,7 +77,7 @@ class CudaBackend:
     name = "cuda"
 
     def availability(self) -> str | None:
-        if os.environ.get("KDA_CUDA") == "0":
+        if TURNED_OFF:
             return "turned off by KDA_CUDA=0"
         return _static_availability()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
+import kda.cuda as switches
 from kda.cuda import loader
 from kda.dispatch import note
 from kda.triton.common import chunk_tables
@@ -22,8 +22,8 @@ def recurrence_warps(pairs: int, sms: int) -> int:
     1x32768 H32 1.25 vs 1.71); four warps (two CTAs a pair, 128 registers, three CTAs an SM)
     win from 512 pairs on (1024x8 H96 0.440 vs 0.473, varlen6 H96 0.432 vs 0.476), where
     every SM holds several pairs and the shared workspace reads count. ``KDA_CUDA_WARPS``
-    overrides the choice."""
-    warps = os.environ.get("KDA_CUDA_WARPS")
+    overrides the choice (read at import: ``kda.cuda.read_switches``)."""
+    warps = switches.WARPS_OVERRIDE
     if warps is None:
         return 4 if pairs >= 3 * sms else 2
     if warps not in ("1", "2", "4"):
@@ -39,6 +39,28 @@ def sm_count(device_index: int) -> int:
 def workspace_bytes(p: Problem, tables=None) -> int:
     """Bytes of K1's workspace for ``p`` (``tables``: its chunk tables, if already at hand)."""
     return max((tables or chunk_tables(p)).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
+
+
+# Workspaces up to this size are kept, one per (device, stream), and reused by the next call
+# on that stream: an allocation from torch's caching allocator costs 1.5-3.5 us of host time
+# on the H200 host (benchmarks/NOTES.md, session 6), against a budget of 40 us for a small
+# call; bigger problems allocate per call, where that is noise beside the kernels. Reuse is
+# safe because the stream orders the calls (K1 and K2 of one call are launched together,
+# under the loader's lock), and a workspace outgrown is handed back to the allocator, which
+# gives its blocks only to later work on the same stream. A call being captured into a CUDA
+# graph always allocates: the graph keeps that workspace and may replay on any stream.
+SHARED_WORKSPACE_BYTES = 4 << 20
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def stream_workspace(q: torch.Tensor, device_index: int, stream: int, nbytes: int) -> torch.Tensor:
+    """A workspace of at least ``nbytes`` (at most :data:`SHARED_WORKSPACE_BYTES`) kept for
+    ``stream`` on ``device_index``; allocated like ``q`` the first time and when outgrown."""
+    key = (device_index, stream)
+    workspace = _workspaces.get(key)
+    if workspace is None or workspace.numel() < nbytes:
+        workspace = _workspaces[key] = q.new_empty(nbytes, dtype=torch.uint8)
+    return workspace
 
 
 # loader.FLAGS as constants: ten dict lookups a call fewer.
@@ -58,6 +80,9 @@ FLAG_HT_BFLOAT16 = loader.FLAGS["ht_bfloat16"]
 # The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
 # building a torch.cuda.Stream object. Absent from CPU-only builds.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# What torch.cuda.current_device returns once CUDA is initialised (as it is with CUDA inputs),
+# without its initialisation check: 0.1 us a call less. Absent from CPU-only builds.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def current_stream(device_index: int) -> int:
@@ -72,7 +97,8 @@ def on_device(device_index: int) -> contextlib.AbstractContextManager:
     """Make ``device_index`` torch's current device for the driver calls (its primary context
     is torch's). When it already is, torch.cuda.device would not switch anything either
     (torch skips cudaSetDevice for the current device); skipping it saves its Python cost."""
-    if torch.cuda.current_device() == device_index:
+    current = torch.cuda.current_device() if _current_device is None else _current_device()
+    if current == device_index:
         return _STAY  # a nullcontext holds nothing: one serves every call and thread
     return torch.cuda.device(device_index)
 
@@ -97,6 +123,10 @@ def chunk_forward(
     if device_index < 0:  # CPU tensors: the host-side tests, which stand in for the device
         device_index = torch.cuda.current_device()
     kernels.configure(device_index)
+    stream = current_stream(device_index)
+    # No capture happens on the legacy default stream (handle 0, torch's default): CUDA refuses
+    # it, so the query (0.3 us) is needed only on other streams.
+    capturing = stream != 0 and q.is_cuda and torch.cuda.is_current_stream_capturing()
     o = torch.empty_like(p.v) if out is None else out
     ht = None
     if p.output_final_state:
@@ -112,10 +142,14 @@ def chunk_forward(
     N, H = p.N, p.H
     if N * H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return o, ht
-    tables = chunk_tables(p)
+    tables = chunk_tables(p, capturing)
     num_chunks = tables.num_chunks
     if workspace is None:
-        workspace = q.new_empty(workspace_bytes(p, tables), dtype=torch.uint8)
+        nbytes = workspace_bytes(p, tables)
+        if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
+            workspace = stream_workspace(q, device_index, stream, nbytes)
+        else:
+            workspace = q.new_empty(nbytes, dtype=torch.uint8)
 
     A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
     bits = 0
@@ -149,13 +183,10 @@ def chunk_forward(
         q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
         0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
-        o.data_ptr(), workspace.data_ptr(),
-        tables.seq_offsets.data_ptr(), tables.chunk_offsets.data_ptr(),
-        tables.chunk_seq.data_ptr(), tables.seq_order.data_ptr(),
+        o.data_ptr(), workspace.data_ptr(), *tables.addresses,
         num_chunks, N, H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
-    stream = current_stream(device_index)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
