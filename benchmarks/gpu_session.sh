@@ -45,11 +45,14 @@ if [[ $step == *quick* ]]; then
   timeout ${QUICK_TIMEOUT:-150} python3 benchmarks/cuda_quick.py > "$OUT/cuda-quick.log" 2>&1; tail -15 "$OUT/cuda-quick.log"
 fi
 if [[ $step == *profile* ]]; then
-  # Host time of a tiny eager call (cProfile), ncu sections of K1 and K2 on 1x8192 H96,
+  # Host time of a tiny eager call (cProfile; parts: piece by piece), ncu sections of K1 and K2 on 1x8192 H96,
   # and K2's time at each CTA width on the anchor cases. PROFILE_PARTS picks among them.
   parts=${PROFILE_PARTS:-host ncu widths}
   if [[ $parts == *host* ]]; then
     timeout 90 python3 benchmarks/cuda_profile.py host > "$OUT/host-profile.log" 2>&1; head -45 "$OUT/host-profile.log"
+  fi
+  if [[ $parts == *parts* ]]; then  # the host time's pieces, timed one by one (benchmarks/host_parts.py)
+    timeout 120 python3 benchmarks/host_parts.py > "$OUT/host-parts.log" 2>&1; cat "$OUT/host-parts.log"
   fi
   if [[ $parts == *ncu* ]]; then
     timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 2 --launch-count 2 -k regex:kda_ --section SpeedOfLight \

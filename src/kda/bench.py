@@ -198,10 +198,11 @@ def layout_cost(calls: dict, case: dict) -> dict:
     return rows
 
 
-def host_overhead(calls: dict, iters: int = 200) -> dict:
+def host_overhead(calls: dict, iters: int = 200, rounds: int = 5) -> dict:
     """A tiny call (T = 64, H = 1): host microseconds per eager call (a loop of launches,
-    then one sync, divided by the count) and GPU microseconds per replay of a captured
-    CUDA graph of the same call."""
+    then one sync, divided by the count; the median of ``rounds`` such means, as the GPU
+    host's speed moves between them, with their spread beside it) and GPU microseconds per
+    replay of a captured CUDA graph of the same call."""
     tensors, kw = make_inputs({"seq_lens": [64], "H": 1})
     rows = {}
     for name, call in calls.items():
@@ -209,13 +210,17 @@ def host_overhead(calls: dict, iters: int = 200) -> dict:
             continue
         for _ in range(3):
             call(tensors, kw)
+        means = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                call(tensors, kw)
+            means.append((time.perf_counter() - start) / iters * 1e6)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call(tensors, kw)
-        host_us = (time.perf_counter() - start) / iters * 1e6
-        torch.cuda.synchronize()
-        row = {"eager_host_us": host_us}
+        means.sort()
+        host_us = means[rounds // 2]
+        row = {"eager_host_us": host_us, "eager_host_us_min": means[0], "eager_host_us_max": means[-1]}
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -337,10 +342,13 @@ def markdown_table(report: dict) -> str:
     for a in report["accuracy_vs_fp64"]:
         lines.append(f"| {a['case']} | {a['impl']} | {a['o']:.2e} | {a['final_state']:.2e} |")
     if report.get("host_overhead_tiny_call"):
-        lines += ["", "| tiny call (T=64, H=1) | eager host us | graph replay us |", "|---|---:|---:|"]
+        header = "| tiny call (T=64, H=1) | eager host us, median of 5 means (min-max) | graph replay us |"
+        lines += ["", header, "|---|---:|---:|"]
         for name, row in report["host_overhead_tiny_call"].items():
             graph = f"{row['graph_replay_us']:.1f}" if "graph_replay_us" in row else row.get("graph_error", "-")
-            lines.append(f"| {name} | {row['eager_host_us']:.1f} | {graph} |")
+            low, high = row.get("eager_host_us_min"), row.get("eager_host_us_max")
+            spread = "" if low is None else f" ({low:.1f}-{high:.1f})"  # reports before session 6 lack it
+            lines.append(f"| {name} | {row['eager_host_us']:.1f}{spread} | {graph} |")
     if report.get("state_layout_ms_1x8192_H96"):
         lines += ["", "| 1x8192 H96, state layout | VK ms | KV ms |", "|---|---:|---:|"]
         for name, row in report["state_layout_ms_1x8192_H96"].items():
