@@ -73,6 +73,7 @@ def stubbed_device(folder: Path):
             (loader, "artefact_dir", lambda: folder),
             (loader, "driver_launch", stub_launch),
             (torch.cuda, "current_device", lambda: 0),
+            (forward, "_current_device", None),
             (forward, "_current_raw_stream", lambda index: 0),
             (forward, "sm_count", lambda index: 132),
             *((driver, name, stub) for name, stub in DRIVER_STUBS.items()),

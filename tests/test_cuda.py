@@ -359,7 +359,7 @@ def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
 def test_gpu_cuda_stream_workspace_is_reused_in_stream_order_and_never_captured(cuda_on):
     """Small workspaces are kept per stream: calls with different inputs queued back to back
     on one stream each give their own result; a capture allocates its own workspace."""
-    from kda.cuda import forward
+    from kda.cuda import forward, loader
 
     cases = [cuda_case([200, 64], 2, True, "lower_bound", False, True, seed=s) for s in (15, 16)]
     kws = [dict(c.kwargs(), cu_seqlens_cpu=c.cu_seqlens.cpu()) for c in cases]
@@ -376,10 +376,16 @@ def test_gpu_cuda_stream_workspace_is_reused_in_stream_order_and_never_captured(
         assert torch.equal(o, expected[i % 2][0]) and torch.equal(ht, expected[i % 2][1]), f"call {i}"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the capture stream gets a kept workspace of its own
+        kda.chunk_kda(*cases[1].tensors(), backend="cuda", **kws[1])
+    torch.cuda.current_stream().wait_stream(side)
+    kept_before = dict(forward._workspaces)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         captured, _ = kda.chunk_kda(*cases[0].tensors(), backend="cuda", **kws[0])
-    assert (key[0], side.cuda_stream) not in forward._workspaces, "a capture must not use a kept workspace"
+    captured_workspace = loader.kernels().params.workspace  # the block of the captured launches
+    assert forward._workspaces == kept_before
+    assert captured_workspace not in {w.data_ptr() for w in kept_before.values()}, "a capture used a kept workspace"
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, expected[0][0])

@@ -139,7 +139,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     expected_flags |= flags["h0_bfloat16"] | flags["ht_bfloat16"] if state_dtype == torch.bfloat16 else 0
     assert (prm.num_chunks, prm.num_seqs, prm.heads, prm.flags) == (tables.num_chunks, 2, 2, expected_flags)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, p.lower_bound, 2.0 if p.allow_neg_eigval else 1.0)
-    assert prm.workspace != 0
+    assert prm.workspace == forward._workspaces[-1, 0x5000].data_ptr()  # kept for the stream
     assert prepare_args[1:3] == (tables.num_chunks, 2) and prepare_args[8] == 0x5000
     assert recurrence_args[8] == 0x5000
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
@@ -202,11 +202,19 @@ def test_small_workspaces_are_kept_per_stream_and_large_ones_allocated_per_call(
         (_, prm), _ = libcuda.calls
         return prm.workspace
 
+    # Keyed by q's device: -1 for these CPU tensors, never the key of a GPU.
     first = workspace_of_next_call(p)
-    assert workspace_of_next_call(p) == first == forward._workspaces[0, 0x5000].data_ptr()
+    assert workspace_of_next_call(p) == first == forward._workspaces[-1, 0x5000].data_ptr()
     stream["handle"] = 0x6000
-    assert workspace_of_next_call(p) != first and set(forward._workspaces) == {(0, 0x5000), (0, 0x6000)}
+    assert workspace_of_next_call(p) != first and set(forward._workspaces) == {(-1, 0x5000), (-1, 0x6000)}
+    bigger = make_case(seq_lens=[90, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+    pb = checked_problem(kda.chunk_kda, *bigger.tensors(), **bigger.kwargs())
+    workspace_of_next_call(pb)
+    assert forward._workspaces[-1, 0x6000].numel() == forward.workspace_bytes(pb), "outgrown: replaced"
+    assert workspace_of_next_call(p) == forward._workspaces[-1, 0x6000].data_ptr(), "a bigger one serves too"
     monkeypatch.setattr(forward, "SHARED_WORKSPACE_BYTES", forward.workspace_bytes(p) - 1)
     stream["handle"] = 0x7000
     workspace_of_next_call(p)
-    assert (0, 0x7000) not in forward._workspaces, "a workspace over the limit must not be kept"
+    assert (-1, 0x7000) not in forward._workspaces, "a workspace over the limit must not be kept"
+    forward.release_workspaces()
+    assert not forward._workspaces

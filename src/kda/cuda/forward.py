@@ -49,18 +49,32 @@ def workspace_bytes(p: Problem, tables=None) -> int:
 # under the loader's lock), and a workspace outgrown is handed back to the allocator, which
 # gives its blocks only to later work on the same stream. A call being captured into a CUDA
 # graph always allocates: the graph keeps that workspace and may replay on any stream.
+# The key is the raw stream handle: a stream of another library (torch.cuda.ExternalStream)
+# destroyed while kda's kernels are queued on it, whose handle then comes back for a new
+# stream, would share its workspace with them; call release_workspaces() before destroying
+# such a stream. Kept workspaces (4 MB at most a stream) are not freed by empty_cache().
 SHARED_WORKSPACE_BYTES = 4 << 20
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def stream_workspace(q: torch.Tensor, device_index: int, stream: int, nbytes: int) -> torch.Tensor:
+def stream_workspace(q: torch.Tensor, stream: int, nbytes: int) -> torch.Tensor:
     """A workspace of at least ``nbytes`` (at most :data:`SHARED_WORKSPACE_BYTES`) kept for
-    ``stream`` on ``device_index``; allocated like ``q`` the first time and when outgrown."""
-    key = (device_index, stream)
+    ``stream`` on q's device; allocated like ``q`` the first time and when outgrown. Keyed by
+    ``q.get_device()``: CPU tensors (the host-side tests) get -1, never a GPU's key."""
+    key = (q.get_device(), stream)
     workspace = _workspaces.get(key)
     if workspace is None or workspace.numel() < nbytes:
         workspace = _workspaces[key] = q.new_empty(nbytes, dtype=torch.uint8)
     return workspace
+
+
+def release_workspaces() -> None:
+    """Wait for every queued kernel, then hand the kept workspaces back to torch's allocator."""
+    if _workspaces and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the current device; each kept workspace's device below
+        for device_index in {index for index, _ in _workspaces if index >= 0}:
+            torch.cuda.synchronize(device_index)
+    _workspaces.clear()
 
 
 # loader.FLAGS as constants: ten dict lookups a call fewer.
@@ -106,6 +120,13 @@ def on_device(device_index: int) -> contextlib.AbstractContextManager:
 _STAY = contextlib.nullcontext()
 
 
+def stream_capturing(device_index: int) -> bool:
+    """Whether the current stream of ``device_index`` (not of the current device, which torch's
+    query asks about) is being captured into a CUDA graph."""
+    with on_device(device_index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def chunk_forward(
     p: Problem,
     out: torch.Tensor | None = None,
@@ -124,9 +145,9 @@ def chunk_forward(
         device_index = torch.cuda.current_device()
     kernels.configure(device_index)
     stream = current_stream(device_index)
-    # No capture happens on the legacy default stream (handle 0, torch's default): CUDA refuses
-    # it, so the query (0.3 us) is needed only on other streams.
-    capturing = stream != 0 and q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # No capture happens on the legacy default stream (handle 0, torch's default, as the direct
+    # launch reads it): CUDA refuses it, so the query (0.3 us) is needed only on other streams.
+    capturing = stream != 0 and q.is_cuda and stream_capturing(device_index)
     o = torch.empty_like(p.v) if out is None else out
     ht = None
     if p.output_final_state:
@@ -147,7 +168,7 @@ def chunk_forward(
     if workspace is None:
         nbytes = workspace_bytes(p, tables)
         if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
-            workspace = stream_workspace(q, device_index, stream, nbytes)
+            workspace = stream_workspace(q, stream, nbytes)
         else:
             workspace = q.new_empty(nbytes, dtype=torch.uint8)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ _CAPTURED: dict[tuple, ChunkTables] = {}
 # The layout asked for last and its tables (the most recent entry of _TABLES): a call repeating
 # it compares one key instead of hashing it twice into the LRU (0.3 us against 0.9).
 _last: tuple[tuple | None, ChunkTables | None] = (None, None)
+_lock = threading.Lock()
 
 
 def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
@@ -79,20 +81,22 @@ def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
     last_key, tables = _last
     if key == last_key and not capturing:
         return tables
-    tables = _TABLES.get(key)
-    if tables is None:
-        tables = _CAPTURED.get(key)
+    with _lock:  # get, move_to_end and eviction from several threads
+        tables = _TABLES.get(key)
         if tables is None:
-            tables = _TABLES[key] = _build_chunk_tables(p)
-            if len(_TABLES) > TABLES_CACHED and not capturing:
-                if p.q.is_cuda:
-                    torch.cuda.synchronize(p.q.device)
-                _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    if capturing:
-        _CAPTURED[key] = tables
-    _last = (key, tables)
+            tables = _CAPTURED.get(key)
+            if tables is None:
+                tables = _TABLES[key] = _build_chunk_tables(p)
+                if len(_TABLES) > TABLES_CACHED and not capturing:
+                    evicted_key, evicted = _TABLES.popitem(last=False)
+                    if evicted_key[0] >= 0:  # its kernels may be queued on any stream of its device
+                        torch.cuda.synchronize(evicted_key[0])
+                    del evicted
+        else:
+            _TABLES.move_to_end(key)
+        if capturing:
+            _CAPTURED[key] = tables
+        _last = (key, tables)
     return tables
 
 
