@@ -166,11 +166,28 @@ def whole_call(tensors, kw) -> None:
         kda.chunk_kda(*tensors, backend="cuda", **kw)
 
     whole()
+    probe_before = python_probe_us()
     means = sorted(per_call_us(whole, calls=300, repeats=1) for _ in range(5))
     best = per_call_us(whole)
+    probe = (probe_before + python_probe_us()) / 2
+    spread = f"{means[0]:.1f} {means[2]:.1f} {means[-1]:.1f}"
     print(
-        f"whole call ({kda.__file__}): means of 300 {means[0]:.1f} {means[2]:.1f} {means[-1]:.1f}, best {best:.1f} us"
+        f"whole call ({kda.__file__}): means of 300 (min, median, max) {spread}, best {best:.1f} us; "
+        f"host speed probe {probe:.0f} us"
     )
+
+
+def python_probe_us() -> float:
+    """A fixed pure-Python workload (no torch, no driver), best of 5: how fast the host runs
+    right now, to read a drift of the whole call's time against."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(20000):
+            total += i & 7
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
 
 
 if __name__ == "__main__":
