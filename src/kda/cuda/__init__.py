@@ -10,8 +10,8 @@ Triton.
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
 (``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
 
-This release passed tests/test_cuda.py on an H200 (``benchmarks/NOTES.md``, session 6), and
-its kernels, unchanged since session 5, compute-sanitizer memcheck and racecheck there.
+This release passed tests/test_cuda.py and compute-sanitizer memcheck and racecheck on an
+H200 (``benchmarks/NOTES.md``, session 6).
 """
 
 from __future__ import annotations
