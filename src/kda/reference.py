@@ -286,6 +286,163 @@ def _chunk_steps(
     return o, S
 
 
+# ----------------------------------------------------------------------------- chunk-16 backward
+
+
+@dataclass
+class ChunkGrads:
+    """Gradients of one chunk's loss with respect to its :class:`ChunkOperands` (and v),
+    what :func:`recurrence_step_backward` hands :func:`prepare_chunk_backward`."""
+
+    q_decayed: torch.Tensor  # [C, K]
+    w: torch.Tensor  # [C, K]
+    inverse_beta: torch.Tensor  # [C, C]
+    M: torch.Tensor  # [C, C], lower incl. the diagonal (M's structure)
+    k_restored: torch.Tensor  # [C, K]
+    gamma: torch.Tensor  # [K]
+    v: torch.Tensor  # [C, V]
+
+
+def recurrence_step_backward(
+    ops: ChunkOperands, v: torch.Tensor, S: torch.Tensor, dO: torch.Tensor, dS_next: torch.Tensor
+) -> tuple[torch.Tensor, ChunkGrads]:
+    """The reverse of :func:`recurrence_step`: given the state ``S`` that entered the chunk,
+    ``dO [HV, C, V]`` and the gradient ``dS_next`` of the state that left it, return the
+    gradient of the entering state and of the chunk's operands.
+
+    ``dU = M^T dO + K^ dS_next`` (U feeds O and S_next);
+    ``dS = Q~^T dO + Diag(gamma) dS_next - w^T dU`` (the reverse state chain: needs no S);
+    the operand gradients are the outer products of each forward product's other factor.
+    """
+    U = ops.inverse_beta @ v - ops.w @ S
+    dU = ops.M.transpose(-1, -2) @ dO + ops.k_restored @ dS_next
+    dS = ops.q_decayed.transpose(-1, -2) @ dO + ops.gamma.unsqueeze(-1) * dS_next - ops.w.transpose(-1, -2) @ dU
+    C = v.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    grads = ChunkGrads(
+        q_decayed=dO @ S.transpose(-1, -2),
+        w=-dU @ S.transpose(-1, -2),
+        inverse_beta=dU @ v.transpose(-1, -2),
+        M=(dO @ U.transpose(-1, -2)).masked_fill(~causal, 0.0),
+        k_restored=U @ dS_next.transpose(-1, -2),
+        gamma=(S * dS_next).sum(-1),
+        v=ops.inverse_beta.transpose(-1, -2) @ dU,
+    )
+    return dS, grads
+
+
+def prepare_chunk_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    d: ChunkGrads,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reverse of :func:`prepare_chunk` (same inputs): ``(dq, dk, dg, dbeta)`` from the
+    operand gradients ``d``, by the chain rule through each line of the forward.
+
+    ``inverse_beta = T Diag(beta)`` with ``T = (I + A)^-1``, ``dA = -T^T dT T^T``;
+    ``A = Diag(beta) (K~ Kinv^T)`` and ``M = Q~ Kinv^T`` restricted to their triangles, with
+    ``Kinv = k exp(-G)``, written here through :func:`pairwise_decay` so that no exponent is
+    positive; ``G = cumsum(g)``, so dg is the reverse cumulative sum of dG (plus the terms of
+    ``G_last``, which every row's g enters).
+    """
+    C = q.shape[-2]
+    G = g.cumsum(-2)
+    decay = pairwise_decay(G)  # [HV, i, j, K] = exp(G_i - G_j), j <= i
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    A_unit = torch.einsum("hid,hjd,hijd->hij", k, k, decay).masked_fill(~strict, 0.0)  # A without beta
+    T = unit_lower_inverse(A_unit * beta.unsqueeze(-1))
+    inverse_beta = T * beta.unsqueeze(-2)
+    eG, eG_last = G.exp(), G[..., -1:, :].exp()
+    k_decayed = k * eG
+    k_restored = k * (G[..., -1:, :] - G).exp()
+    q_decayed = scale * q * eG
+
+    # w = inverse_beta K~
+    d_inverse_beta = d.inverse_beta + d.w @ k_decayed.transpose(-1, -2)
+    d_k_decayed = inverse_beta.transpose(-1, -2) @ d.w
+    # inverse_beta = T Diag(beta)
+    dbeta = (T * d_inverse_beta).sum(-2)
+    dT = d_inverse_beta * beta.unsqueeze(-2)
+    Tt = T.transpose(-1, -2)
+    dA = (-(Tt @ dT @ Tt)).masked_fill(~strict, 0.0)
+    # A = Diag(beta) A_unit
+    dbeta = dbeta + (dA * A_unit).sum(-1)
+    dA_unit = dA * beta.unsqueeze(-1)
+    dM = d.M.masked_fill(~causal, 0.0)
+
+    # A_unit_ij = sum_d k_id k_jd e_ijd and M_ij = scale sum_d q_id k_jd e_ijd (e = decay):
+    # row i, column j and the exponent G_i - G_j each get their share.
+    pair_k = torch.einsum("hij,hjd,hijd->hid", dA_unit, k, decay)  # through k_i (row)
+    pair_q = scale * torch.einsum("hij,hjd,hijd->hid", dM, k, decay)  # through q_i
+    col = torch.einsum("hij,hid,hijd->hjd", dA_unit, k, decay) + scale * torch.einsum(
+        "hij,hid,hijd->hjd", dM, q, decay
+    )  # through k_j (column)
+    dG_pair = k * pair_k + q * pair_q  # d/dG_i of every pair (i, j); d/dG_j is its negative
+    dG_pair_col = k * col
+
+    dq = scale * eG * d.q_decayed + pair_q
+    dk = eG * d_k_decayed + pair_k + col + (G[..., -1:, :] - G).exp() * d.k_restored
+    dG = d.q_decayed * q_decayed + d_k_decayed * k_decayed - d.k_restored * k_restored + dG_pair - dG_pair_col
+    dG_last = (d.k_restored * k_restored).sum(-2) + d.gamma * eG_last.squeeze(-2)
+    dg = dG.flip(-2).cumsum(-2).flip(-2) + dG_last.unsqueeze(-2)
+    return dq, dk, dg, dbeta
+
+
+def chunk16_kda_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of :func:`chunk16_kda` by the chunk-form backward, stage by stage as the
+    Triton kernels run it: the states entering every chunk (forward), the reverse chain of
+    the state gradient, then each chunk's local gradients. Activated inputs, as
+    :func:`chunk16_kda`; ``dht`` is the gradient of the final state (None: zero).
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)`` with the inputs' shapes (dq, dk summed over the
+    value heads that share a q/k head)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    scale = K**-0.5 if scale is None else scale
+    qe, ke = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
+    dq, dk = torch.zeros_like(qe), torch.zeros_like(ke)
+    dv, dg, dbeta = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
+    bounds = sequence_bounds(T, B, cu_seqlens)
+    dh0 = torch.zeros(len(bounds), HV, K, V, dtype=q.dtype, device=q.device)
+    for n, (b, start, end) in enumerate(bounds):
+        S = torch.zeros(HV, K, V, dtype=q.dtype, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].to(q.dtype)
+        chunks = []
+        for c0 in range(start, end, CHUNK):
+            rows = slice(c0, min(c0 + CHUNK, end))
+            q_c, k_c, v_c, g_c, beta_c = (x[b, rows].transpose(0, 1) for x in (qe, ke, v, g, beta))
+            ops = prepare_chunk(q_c, k_c, g_c, beta_c, scale)
+            chunks.append((rows, ops, S, q_c, k_c, v_c, g_c, beta_c))
+            S = recurrence_step(ops, v_c, S)[1]
+        dS = torch.zeros_like(S) if dht is None else dht[n].to(q.dtype)
+        for rows, ops, S_in, q_c, k_c, v_c, g_c, beta_c in reversed(chunks):
+            dS_next = dS
+            dS, grads = recurrence_step_backward(ops, v_c, S_in, do[b, rows].transpose(0, 1).to(q.dtype), dS_next)
+            dq_c, dk_c, dg_c, dbeta_c = prepare_chunk_backward(q_c, k_c, g_c, beta_c, scale, grads)
+            dq[b, rows], dk[b, rows] = dq_c.transpose(0, 1), dk_c.transpose(0, 1)
+            dv[b, rows], dg[b, rows], dbeta[b, rows] = grads.v.transpose(0, 1), dg_c.transpose(0, 1), dbeta_c.T
+        dh0[n] = dS
+    group = HV // H
+    dq = dq.view(B, T, H, group, K).sum(3)
+    dk = dk.view(B, T, H, group, K).sum(3)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64; NaN anywhere gives NaN (never a pass)."""
     x64, ref64 = x.double(), ref.double()
