@@ -1,4 +1,5 @@
-"""Pieces both Triton stages share: the chunk size, autotune configs and the chunk tables."""
+"""Pieces the Triton stages share: the chunk size, autotune configs, the chunk tables and the
+training forward's state checkpoints."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ import torch
 import triton
 
 CHUNK = 16
+# The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
+# sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
+# chunk from its own checkpoint (at most CHECKPOINT_CHUNKS - 1 chunk steps). Four chunks
+# (64 tokens, fla's chunk) keep a quarter of the per-chunk states between forward and
+# backward. docs/algorithm.md section 8 has the account.
+CHECKPOINT_CHUNKS = 4
+
+
+def checkpoint_rows(B: int, T: int, N: int, varlen: bool) -> int:
+    """Rows of the checkpoint tensor, from the shapes alone (the fake of the training op must
+    know it without the sequence lengths): exact for B sequences of T tokens; for N packed
+    sequences an upper bound, as sum_n ceil(L_n / 64) <= ceil(T / 64) + N."""
+    span = CHUNK * CHECKPOINT_CHUNKS
+    if not varlen:
+        return B * -(-T // span)
+    return -(-T // span) + N
 
 
 def interpreting() -> bool:
@@ -36,14 +53,16 @@ class ChunkTables:
     ``seq_offsets [N+1]``: token offsets; ``chunk_offsets [N+1]``: first global chunk of
     each sequence; ``chunk_seq [NC]``: sequence of each chunk; ``seq_order [N*H]``: the
     (sequence, head) pairs as ``n * H + h``, longest sequence first (the CUDA recurrence's
-    schedule: the longest chains start first, short ones fill in behind). All int64.
-    ``addresses``: the four tables' device addresses in that order (the CUDA launch's).
+    schedule: the longest chains start first, short ones fill in behind);
+    ``checkpoint_offsets [N+1]``: first checkpoint row of each sequence (training). All int64.
+    ``addresses``: the first four tables' device addresses in that order (the CUDA launch's).
     """
 
     seq_offsets: torch.Tensor
     chunk_offsets: torch.Tensor
     chunk_seq: torch.Tensor
     seq_order: torch.Tensor
+    checkpoint_offsets: torch.Tensor
     num_chunks: int
     BK: int
     addresses: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -113,12 +132,16 @@ def _build_chunk_tables(p) -> ChunkTables:
     chunk_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int64), counts)
     longest = torch.argsort(lengths, descending=True, stable=True)
     seq_order = (longest[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1)
-    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order]).to(p.q.device)  # blocking: see chunk_tables
+    checkpoint_offsets = torch.zeros_like(offsets)
+    torch.cumsum((counts + CHECKPOINT_CHUNKS - 1) // CHECKPOINT_CHUNKS, 0, out=checkpoint_offsets[1:])
+    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets]).to(p.q.device)  # blocking
+    order_end = 2 * N + 2 + num_chunks + N * p.H
     return ChunkTables(
         seq_offsets=packed[: N + 1],
         chunk_offsets=packed[N + 1 : 2 * N + 2],
         chunk_seq=packed[2 * N + 2 : 2 * N + 2 + num_chunks],
-        seq_order=packed[2 * N + 2 + num_chunks :],
+        seq_order=packed[2 * N + 2 + num_chunks : order_end],
+        checkpoint_offsets=packed[order_end:],
         num_chunks=num_chunks,
         BK=max(triton.next_power_of_2(p.K), CHUNK),
     )

@@ -49,6 +49,120 @@ def _row(x, rows, i):
     return tl.sum(tl.where(rows[:, None] == i, x, 0.0), axis=0)
 
 
+@triton.jit
+def _gate(x, a, lower_bound, GATE: tl.constexpr):
+    """The in-kernel gate of ``x = g_raw + dt_bias`` with ``a = exp(A_log)`` (1 without A_log):
+    ``lb * sigmoid(a x)`` (GATE 1) or ``-a softplus(x)`` (GATE 2)."""
+    if GATE == 1:
+        return lower_bound * tl.sigmoid(a * x)
+    return -a * _softplus(x)
+
+
+@triton.jit
+def load_qk(q, k, tok, row_ok, cols, col_ok, i_h, H, K, L2NORM: tl.constexpr):
+    """One chunk's rows ``tok`` of q and k (head i_h) in float32, L2-normalised when asked:
+    ``(q, k, q_rstd, k_rstd)``, the rstd (1 without L2NORM) for the backward."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    b_q = tl.load(q + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q_rstd = tl.full([ROWS], 1.0, tl.float32)
+    k_rstd = tl.full([ROWS], 1.0, tl.float32)
+    if L2NORM:
+        q_rstd = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + L2NORM_EPS)
+        k_rstd = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + L2NORM_EPS)
+        b_q *= q_rstd[:, None]
+        b_k *= k_rstd[:, None]
+    return b_q, b_k, q_rstd, k_rstd
+
+
+@triton.jit
+def load_gate_beta(
+    g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """One chunk's rows of g and beta (value head i_hv), activated as the flags say, float32.
+    Rows past the sequence end (``~row_ok``) read as g = 0, beta = 0: they add no decay and
+    write nothing. Returns ``(g, beta, x, a, beta_raw)``: the activations' inputs ride along
+    for the backward (``x = g_raw + dt_bias``, ``a = exp(A_log)``, 1 without it)."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    b_g = tl.load(g + (tok[:, None] * HV + i_hv) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_raw = tl.load(beta + tok * HV + i_hv, mask=row_ok, other=0.0).to(tl.float32)
+    x = b_g
+    a = 1.0
+    if GATE != 0:
+        if HAS_DT_BIAS:
+            x += tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_A_LOG:
+            a = tl.exp(tl.load(A_log + i_hv))
+        b_g = tl.where(mask, _gate(x, a, lower_bound, GATE), 0.0)
+    b_beta = b_raw
+    if BETA_SIGMOID:
+        b_beta = tl.where(row_ok, beta_scale * tl.sigmoid(b_raw), 0.0)
+    return b_g, b_beta, x, a, b_raw
+
+
+@triton.jit
+def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Everything of one chunk that does not depend on the state (spec section 2), float32:
+    ``(G2, G2_last, Q~, K~, K^, Kinv, A_unit, M, T, inverse_beta, w, any_far)`` with G2 the
+    cumulative log-decay in base 2, ``Kinv = k exp(-G)`` (clamped at 2^EXP2_LIMIT), ``A_unit``
+    the strictly lower A without beta, ``T = (I + A)^-1`` and ``any_far`` whether some row
+    passed the limit (and took the pairwise recompute)."""
+    G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
+    G2_last = _row(G2, rows, ROWS - 1)
+    decay = tl.exp2(G2)
+    b_qd = b_q * decay * scale  # Q~
+    b_kd = b_k * decay  # K~
+    b_kr = b_k * tl.exp2(G2_last[None, :] - G2)  # K^, exponent <= 0
+    b_kinv = b_k * tl.exp2(tl.minimum(-G2, EXP2_LIMIT))  # k exp(-G), exact on rows within the limit
+
+    b_A = tl.dot(b_kd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+    b_M = tl.dot(b_qd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+    any_far = False
+    if not SAFE:
+        # Row i only needs columns j <= i, whose -G_j <= -G_i: a row within the limit is exact.
+        row_far = tl.min(G2, axis=1) < -EXP2_LIMIT
+        any_far = tl.max(row_far.to(tl.int32), axis=0) > 0
+        if any_far:
+            A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+            M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+            for j in tl.static_range(ROWS):
+                k_j = _row(b_k, rows, j)
+                d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # exp(G_i - G_j), rows i >= j
+                a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
+                m_col = tl.sum(b_q * (k_j[None, :] * d_ij), axis=1) * scale
+                A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
+                M_pair = tl.where(rows[None, :] == j, m_col[:, None], M_pair)
+            b_A = tl.where(row_far[:, None], A_pair, b_A)
+            b_M = tl.where(row_far[:, None], M_pair, b_M)
+
+    b_Au = tl.where(rows[:, None] > rows[None, :], b_A, 0.0)
+    b_M = tl.where(rows[:, None] >= rows[None, :], b_M, 0.0)
+    b_A = b_Au * b_beta[:, None]
+
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): A is strictly lower, so A^16 = 0.
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    A2 = tl.dot(b_A, b_A, input_precision="ieee")
+    A4 = tl.dot(A2, A2, input_precision="ieee")
+    A8 = tl.dot(A4, A4, input_precision="ieee")
+    inv = tl.dot(eye - b_A, eye + A2, input_precision="ieee")
+    inv = tl.dot(inv, eye + A4, input_precision="ieee")
+    inv = tl.dot(inv, eye + A8, input_precision="ieee")
+    b_ib = inv * b_beta[None, :]  # (I + A)^-1 Diag(beta)
+    b_w = tl.dot(b_ib, b_kd, input_precision=DOT_PRECISION)
+    return G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, b_M, inv, b_ib, b_w, any_far
+
+
+@triton.jit
+def chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c):
+    """``(sequence, its first token, its end, its first chunk, the chunk's first token)``."""
+    n = tl.load(chunk_seq + i_c).to(tl.int64)
+    bos = tl.load(seq_offsets + n)
+    eos = tl.load(seq_offsets + n + 1)
+    c_first = tl.load(chunk_offsets + n)
+    return n, bos, eos, c_first, bos + (i_c - c_first) * ROWS
+
+
 @triton.autotune(configs=autotune_configs([{}], warps=(2, 4, 8), stages=(1,)), key=["BK", "GATE", "SAFE"])
 @triton.jit
 def prepare_chunks_kernel(
@@ -67,80 +181,21 @@ def prepare_chunks_kernel(
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    n = tl.load(chunk_seq + i_c).to(tl.int64)
-    bos = tl.load(seq_offsets + n)
-    eos = tl.load(seq_offsets + n + 1)
-    t0 = bos + (i_c - tl.load(chunk_offsets + n)) * ROWS
+    _, _, eos, _, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
 
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BK)
     tok = t0 + rows
     row_ok = tok < eos
     col_ok = cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-
-    b_q = tl.load(q + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_g = tl.load(g + (tok[:, None] * HV + i_hv) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + tok * HV + i_hv, mask=row_ok, other=0.0).to(tl.float32)
-
-    # Activations. Rows past the sequence end must add no decay and write nothing: g = 0, beta = 0.
-    if GATE != 0:
-        if HAS_DT_BIAS:
-            b_g += tl.load(dt_bias + i_hv * K + cols, mask=col_ok, other=0.0)[None, :]
-        if GATE == 1:
-            if HAS_A_LOG:
-                b_g *= tl.exp(tl.load(A_log + i_hv))
-            b_g = lower_bound * tl.sigmoid(b_g)
-        else:
-            b_g = -tl.exp(tl.load(A_log + i_hv)) * _softplus(b_g)
-        b_g = tl.where(mask, b_g, 0.0)
-    if BETA_SIGMOID:
-        b_beta = tl.where(row_ok, beta_scale * tl.sigmoid(b_beta), 0.0)
-    if L2NORM:
-        b_q *= tl.rsqrt(tl.sum(b_q * b_q, axis=1) + L2NORM_EPS)[:, None]
-        b_k *= tl.rsqrt(tl.sum(b_k * b_k, axis=1) + L2NORM_EPS)[:, None]
-
-    # Cumulative log-decay in base 2; masked rows repeat the last valid row.
-    G2 = tl.cumsum(b_g, axis=0) * LOG2E
-    G2_last = _row(G2, rows, ROWS - 1)
-    decay = tl.exp2(G2)
-    b_qd = b_q * decay * scale  # Q~
-    b_kd = b_k * decay  # K~
-    b_kr = b_k * tl.exp2(G2_last[None, :] - G2)  # K^, exponent <= 0
-    b_kinv = b_k * tl.exp2(tl.minimum(-G2, EXP2_LIMIT))  # k exp(-G), exact on rows within the limit
-
-    b_A = tl.dot(b_kd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
-    b_M = tl.dot(b_qd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
-    if not SAFE:
-        # Row i only needs columns j <= i, whose -G_j <= -G_i: a row within the limit is exact.
-        row_far = tl.min(G2, axis=1) < -EXP2_LIMIT
-        if tl.max(row_far.to(tl.int32), axis=0) > 0:
-            A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-            M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-            for j in tl.static_range(ROWS):
-                k_j = _row(b_k, rows, j)
-                d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # exp(G_i - G_j), rows i >= j
-                a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
-                m_col = tl.sum(b_q * (k_j[None, :] * d_ij), axis=1) * scale
-                A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
-                M_pair = tl.where(rows[None, :] == j, m_col[:, None], M_pair)
-            b_A = tl.where(row_far[:, None], A_pair, b_A)
-            b_M = tl.where(row_far[:, None], M_pair, b_M)
-
-    b_A = tl.where(rows[:, None] > rows[None, :], b_A * b_beta[:, None], 0.0)
-    b_M = tl.where(rows[:, None] >= rows[None, :], b_M, 0.0)
-
-    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): A is strictly lower, so A^16 = 0.
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    A2 = tl.dot(b_A, b_A, input_precision="ieee")
-    A4 = tl.dot(A2, A2, input_precision="ieee")
-    A8 = tl.dot(A4, A4, input_precision="ieee")
-    inv = tl.dot(eye - b_A, eye + A2, input_precision="ieee")
-    inv = tl.dot(inv, eye + A4, input_precision="ieee")
-    inv = tl.dot(inv, eye + A8, input_precision="ieee")
-    b_ib = inv * b_beta[None, :]  # (I + A)^-1 Diag(beta)
-    b_w = tl.dot(b_ib, b_kd, input_precision=DOT_PRECISION)
+    b_q, b_k, _, _ = load_qk(q, k, tok, row_ok, cols, col_ok, i_h, H, K, L2NORM)
+    b_g, b_beta, _, _, _ = load_gate_beta(
+        g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
+        GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+    )  # fmt: skip
+    _, G2_last, b_qd, _, b_kr, _, _, b_M, _, b_ib, b_w, _ = chunk_operands(
+        b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
+    )
 
     # Workspace: [NC, HV, 16, BK] operands, [NC, HV, 16, 16] matrices, [NC, HV, BK] gamma.
     tile = (i_c * HV + i_hv) * ROWS * BK + rows[:, None] * BK + cols[None, :]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHUNK, autotune_configs, interpreting
+from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting
 
 ROWS = tl.constexpr(CHUNK)
 
@@ -62,13 +62,14 @@ def _fits_in_registers(configs, named_args, **kwargs):
 )
 @triton.jit
 def recurrence_v_split_kernel(
-    v, o, h0, ht,
+    v, o, h0, ht, checkpoints,
     q_decayed, w, k_restored, gamma, inverse_beta, M,
-    seq_offsets, chunk_offsets,
+    seq_offsets, chunk_offsets, checkpoint_offsets,
     PARALLEL_BUCKET,  # autotune key only: how many (sequence, head) pairs, coarsely
     HV, K, V,  # runtime: one compiled kernel serves every head count and head size up to BK
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    CHECKPOINT: tl.constexpr,  # 0: inference; else save the state entering every CHECKPOINT-th chunk
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
@@ -92,9 +93,15 @@ def recurrence_v_split_kernel(
     St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:
         St += tl.load(h0 + state_tile, mask=state_mask, other=0.0).to(tl.float32)
+    if CHECKPOINT:
+        # [rows, HV, V, K], float32: the backward's starting points (common.CHECKPOINT_CHUNKS)
+        checkpoint_tile = (tl.load(checkpoint_offsets + n) * HV + i_hv) * K * V + cols_v[:, None] * K + rows_k[None, :]
 
     operand_dtype = q_decayed.dtype.element_ty
     for c in tl.range(c_first, c_end):
+        if CHECKPOINT:  # noqa: SIM102 - a constexpr test apart from the runtime one (Triton's `and` is Python's)
+            if (c - c_first) % CHECKPOINT == 0:
+                tl.store(checkpoints + checkpoint_tile + (c - c_first) // CHECKPOINT * HV * K * V, St, mask=state_mask)
         tok = bos + (c - c_first) * ROWS + rows
         io_mask = v_ok[:, None] & (tok < eos)[None, :]
         io_tile_t = (tok[None, :] * HV + i_hv) * V + cols_v[:, None]  # [BV, 16] view of [16, V]
@@ -124,16 +131,18 @@ def recurrence_v_split_kernel(
 
 
 def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, ht: torch.Tensor | None,
-                       mixed: bool, dot_precision: str) -> None:  # fmt: skip
-    """Launch the recurrence over every (V slice, sequence, value head); writes o and ht."""
+                       mixed: bool, dot_precision: str, checkpoints: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Launch the recurrence over every (V slice, sequence, value head); writes o and ht, and
+    with ``checkpoints`` ([rows, HV, V, K] float32) the training forward's state checkpoints."""
     N, HV = tables.seq_offsets.shape[0] - 1, p.HV
     grid = lambda meta: (triton.cdiv(p.V, meta["BV"]), N * HV)  # noqa: E731
     recurrence_v_split_kernel[grid](
-        p.v, o, p.initial_state, ht,
+        p.v, o, p.initial_state, ht, checkpoints,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
-        tables.seq_offsets, tables.chunk_offsets,
+        tables.seq_offsets, tables.chunk_offsets, tables.checkpoint_offsets,
         min(triton.next_power_of_2(N * HV), 1024),
         HV, p.K, p.V, BK=tables.BK,
         HAS_H0=p.initial_state is not None, STORE_HT=ht is not None, STATE_V_FIRST=p.state_v_first,
+        CHECKPOINT=0 if checkpoints is None else CHECKPOINT_CHUNKS,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(),
     )  # fmt: skip
