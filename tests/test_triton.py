@@ -144,13 +144,6 @@ def test_bfloat16_states_in_and_out(backend):
     assert ht32.dtype == torch.float32 and rel(ht, ht32) <= 2**-8  # the same state, rounded to bf16
 
 
-def test_requires_grad_is_refused_with_reason():
-    case = make_case(T=8, H=1, K=16, V=16, device=DEVICE, seed=11)
-    q = case.q.clone().requires_grad_()
-    with pytest.raises(kda.BackendUnavailableError, match="backward"):
-        kda.chunk_kda(q, *case.tensors()[1:], backend="triton", **case.kwargs())
-
-
 # ----------------------------------------------------------------------------- GPU only
 
 fla_available = importlib.util.find_spec("fla") is not None

@@ -101,12 +101,27 @@ def record_dispatch() -> Iterator[list[str]]:
         _recorders.remove(events)
 
 
+@torch._dynamo.assume_constant_result
+def _traced_availability(name: str) -> str:
+    """:meth:`Backend.availability` ("" when available) for a call that torch.compile traces:
+    run once at trace time and taken as a constant, because the checks import modules and read
+    files, which dynamo does not trace."""
+    return get_backend(name).availability() or ""
+
+
 def refusal(backend: Backend, problem: Problem) -> str | None:
+    if torch.compiler.is_compiling():
+        return _traced_availability(backend.name) or backend.rejects(problem)
     return backend.availability() or backend.rejects(problem)
 
 
 def select(problem: Problem, requested: str) -> Backend:
-    """The backend that runs ``problem``; raises if an explicit choice cannot."""
+    """The backend that runs ``problem``; raises if an explicit choice cannot. A call whose
+    inputs require grad needs a backward: a backend without one rejects it, saying so."""
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the backends' modules are imported here, at trace time, outside the graph
+        for name in AUTO_ORDER if requested == "auto" else (requested,):
+            _traced_availability(name)
     if requested != "auto":
         backend = _backends.get(requested) or get_backend(requested)  # get_backend: the first call, or a bad name
         reason = refusal(backend, problem)
@@ -116,14 +131,16 @@ def select(problem: Problem, requested: str) -> Backend:
     else:
         chosen = None
         for name in AUTO_ORDER:
-            backend = get_backend(name)
+            backend = _backends.get(name) or get_backend(name)
             reason = refusal(backend, problem)
             if reason is None:
                 chosen = backend
                 break
-            log_once(f"{problem.op}: {name} rejected: {reason}")
+            if not compiling:
+                log_once(f"{problem.op}: {name} rejected: {reason}")
         assert chosen is not None, "the torch backend accepts every checked problem"
-    decision = f"{problem.op} -> {chosen.name}"
-    log_once(decision)
-    note(decision)
+    if not compiling:  # a traced call logs nothing here; its kernels note themselves when they run
+        decision = f"{problem.op} -> {chosen.name}" + (" (forward and backward)" if problem.requires_grad else "")
+        log_once(decision)
+        note(decision)
     return chosen

@@ -1,9 +1,11 @@
-"""The ``triton`` backend: the chunk-16 forward as two Triton stages.
+"""The ``triton`` backend: the chunk-16 forward as two Triton stages, and its backward.
 
 :mod:`kda.triton.prepare` (token-parallel) writes per-chunk operands; the recurrence of
 :mod:`kda.triton.recurrence` runs each sequence's chunks in order with the V dimension split
 across programs. :func:`chunk_forward` runs both; ``fused_recurrent_kda`` uses the same
-kernels (a chunk may hold a single token).
+kernels (a chunk may hold a single token). Calls whose inputs require grad go through the
+custom op of :mod:`kda.autograd`, whose forward saves state checkpoints and whose backward
+is :mod:`kda.triton.training` (stages :mod:`kda.triton.state_grad`, :mod:`kda.triton.chunk_grad`).
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ def chunk_forward(
     final_state_out: torch.Tensor | None = None,
     workspace_dtype: torch.dtype | None = None,
     mixed: bool | None = None,
+    checkpoints: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run both stages. ``out`` / ``final_state_out`` may be given (tests poison them first);
     otherwise they are allocated. ``workspace_dtype`` and ``mixed`` override
-    :func:`precision_for` (benchmarks compare the variants)."""
+    :func:`precision_for` (benchmarks compare the variants). ``checkpoints`` (the training
+    forward's, :func:`kda.triton.training.train_forward`) also receives the state checkpoints."""
     o = torch.empty_like(p.v, dtype=p.q.dtype) if out is None else out
     ht = None
     if p.output_final_state:
@@ -66,7 +70,7 @@ def chunk_forward(
     tables = chunk_tables(p)
     ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
     note("triton:prepare_chunks")
-    recurrence_v_split(p, tables, ws, o, ht, mixed, dot_precision)
+    recurrence_v_split(p, tables, ws, o, ht, mixed, dot_precision, checkpoints)
     note("triton:recurrence_v_split")
     return o, ht
 
@@ -86,11 +90,14 @@ class TritonBackend:
             return f"dtype {p.q.dtype} (needs float16, bfloat16 or float32)"
         if p.q.device.type != "cuda" and not interpreting():
             return f"tensors on {p.q.device} (needs CUDA tensors, or TRITON_INTERPRET=1)"
-        if p.requires_grad:
-            return "inputs require grad and the Triton backward is not implemented (use backend='torch')"
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if p.requires_grad or torch.compiler.is_compiling():
+            # Through the custom op: autograd gets its backward, torch.compile an opaque node.
+            from kda.autograd import chunk_kda_trainable
+
+            return chunk_kda_trainable(p)
         return chunk_forward(p)
 
 

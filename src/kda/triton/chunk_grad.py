@@ -1,0 +1,256 @@
+"""Backward stage 2: every chunk's local gradients, token-parallel, one program per (chunk, q/k
+head) looping over the value heads that share it (GVA: their dq, dk are summed in registers).
+
+For each value head the program first runs the V dimension in slices, which needs the state S
+entering the chunk and the gradient dS_next of the state leaving it
+(``reference.recurrence_step_backward``):
+
+- S comes from the training forward's checkpoint (the state entering the checkpoint's first
+  chunk, ``common.CHECKPOINT_CHUNKS`` chunks apart), stepped forward through the chunks in
+  between with the prepare stage's operands (the forward recurrence's own step);
+- dS_next comes from the reverse chain (``state_grad.py``).
+
+Per slice: ``U = inverse_beta V - w S``, ``dU = M^T dO + K^ dS_next``, ``dV = inverse_beta^T
+dU`` (stored), and the slice's share of the products summed over V: ``dQ~ = dO S^T``,
+``dw = -dU S^T``, ``dK^ = U dS_next^T``, ``dM = dO U^T``, ``d inverse_beta = dU V^T`` and
+``dgamma = rowsum(S * dS_next)``.
+
+Then the program recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``)
+and runs it backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
+through A and M to k, q and the decay (factored as in the forward where the gate keeps the
+exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
+in-kernel activations (gate, beta sigmoid, l2norm) to the raw inputs. dA_log and dt_bias,
+shared by every token, get per-chunk partial sums that the launcher adds up.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting
+from kda.triton.prepare import EXP2_LIMIT, _row, chunk_operands, chunk_position, load_gate_beta, load_qk
+from kda.triton.recurrence import _mm
+
+ROWS = tl.constexpr(CHUNK)
+
+
+@triton.jit
+def _col(x, rows, j):
+    """Column ``j`` of a [16, 16] matrix as a vector, exactly."""
+    return tl.sum(tl.where(rows[None, :] == j, x, 0.0), axis=1)
+
+
+@triton.jit
+def _pairs_factored(dAu, dM, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION: tl.constexpr):
+    """The A and M terms through their factored form ``A_unit = K~ Kinv^T``, ``M = Q~ Kinv^T``:
+    ``(dq, dk, dG)`` shares, exact while every ``exp(-G)`` is in range."""
+    dqd_m = tl.dot(dM, b_kinv, input_precision=DOT_PRECISION)
+    dkd_a = tl.dot(dAu, b_kinv, input_precision=DOT_PRECISION)
+    dkinv = tl.dot(tl.trans(dAu), b_kd, input_precision=DOT_PRECISION)
+    dkinv += tl.dot(tl.trans(dM), b_qd, input_precision=DOT_PRECISION)
+    decay = tl.exp2(G2)
+    dq = scale * decay * dqd_m
+    dk = decay * dkd_a + tl.exp2(tl.minimum(-G2, EXP2_LIMIT)) * dkinv
+    dG = dqd_m * b_qd + dkd_a * b_kd - dkinv * b_kinv
+    return dq, dk, dG
+
+
+@triton.jit
+def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
+    """The same shares pair by pair, ``exp2(G2_i - G2_j)`` formed from the difference (every
+    exponent <= 0): for chunks whose decay passes the factored form's range."""
+    dq = tl.zeros(b_q.shape, dtype=tl.float32)
+    dk = tl.zeros(b_q.shape, dtype=tl.float32)
+    dG = tl.zeros(b_q.shape, dtype=tl.float32)
+    for j in tl.static_range(ROWS):
+        k_j = _row(b_k, rows, j)
+        d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # rows i < j carry zero gradients
+        a = _col(dAu, rows, j)
+        m = _col(dM, rows, j) * scale
+        kd_j = k_j[None, :] * d_ij
+        dk += a[:, None] * kd_j  # k_i, row i of the pair
+        dq += m[:, None] * kd_j
+        through_j = (a[:, None] * b_k + m[:, None] * b_q) * d_ij
+        pair = through_j * k_j[None, :]  # d/dG_i of pair (i, j); d/dG_j is its negative
+        dk += tl.where(rows[:, None] == j, tl.sum(through_j, axis=0)[None, :], 0.0)  # k_j, column j
+        dG += pair - tl.where(rows[:, None] == j, tl.sum(pair, axis=0)[None, :], 0.0)
+    return dq, dk, dG
+
+
+@triton.autotune(
+    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(4, 8), stages=(1,)),
+    key=["BK", "V", "GATE", "SAFE", "MIXED"],
+)
+@triton.jit
+def chunk_grads_kernel(
+    q, k, v, g, beta, A_log, dt_bias, do,
+    seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
+    w, k_restored, gamma, inverse_beta, M,
+    checkpoints, dstates,
+    dq, dk, dv, dg, dbeta, dA_log_part, ddt_bias_part,
+    scale, lower_bound, beta_scale,
+    H, HV, K, V,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr,
+    MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    CHECKPOINT: tl.constexpr,
+):  # fmt: skip
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    n, bos, eos, c_first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    c_from = i_c - (i_c - c_first) % CHECKPOINT  # first chunk of this chunk's checkpoint
+    checkpoint_row = tl.load(checkpoint_offsets + n) + (i_c - c_first) // CHECKPOINT
+
+    rows = tl.arange(0, ROWS)
+    rows_k = tl.arange(0, BK)
+    tok = t0 + rows
+    row_ok = tok < eos
+    k_ok = rows_k < K
+    mask = row_ok[:, None] & k_ok[None, :]
+    square = rows[:, None] * ROWS + rows[None, :]
+    tile = rows[:, None] * BK + rows_k[None, :]  # [16, BK] of a workspace operand
+    tile_t = rows[None, :] * BK + rows_k[:, None]  # [BK, 16]
+    operand_dtype = w.dtype.element_ty
+    group = HV // H
+
+    b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
+    dq_hat = tl.zeros([ROWS, BK], dtype=tl.float32)  # summed over the group's value heads
+    dk_hat = tl.zeros([ROWS, BK], dtype=tl.float32)
+    for i_g in tl.range(0, group):
+        i_hv = i_h * group + i_g
+        ws = (i_c * HV + i_hv).to(tl.int64)
+        b_w = tl.load(w + ws * ROWS * BK + tile)
+        b_kr = tl.load(k_restored + ws * ROWS * BK + tile)
+        b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
+        b_M = tl.load(M + ws * ROWS * ROWS + square)
+
+        # ---- the V slices: the products with S and dS_next, summed over V
+        d_qd = tl.zeros([ROWS, BK], dtype=tl.float32)
+        d_w = tl.zeros([ROWS, BK], dtype=tl.float32)
+        d_kr = tl.zeros([ROWS, BK], dtype=tl.float32)
+        d_gamma = tl.zeros([BK], dtype=tl.float32)
+        d_M = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        for i_v in tl.range(0, tl.cdiv(V, BV)):
+            cols_v = i_v * BV + tl.arange(0, BV)
+            v_ok = cols_v < V
+            state_mask = k_ok[:, None] & v_ok[None, :]
+            state_kv = i_hv * K * V + cols_v[None, :] * K + rows_k[:, None]  # [BK, BV] of a [.., HV, V, K] tensor
+            S = tl.load(checkpoints + checkpoint_row * HV * K * V + state_kv, mask=state_mask, other=0.0)
+            for c2 in tl.range(c_from, i_c):  # the forward's step over the chunks in between
+                tok2 = bos + (c2 - c_first) * ROWS + rows
+                ws2 = (c2 * HV + i_hv).to(tl.int64)
+                b_v2 = tl.load(v + (tok2[:, None] * HV + i_hv) * V + cols_v[None, :],
+                               mask=(tok2 < eos)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+                U2 = tl.dot(tl.load(inverse_beta + ws2 * ROWS * ROWS + square), b_v2.to(tl.float32),
+                            input_precision=DOT_PRECISION)  # fmt: skip
+                U2 -= _mm(tl.load(w + ws2 * ROWS * BK + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+                S = S * tl.load(gamma + ws2 * BK + rows_k)[:, None] + _mm(
+                    tl.load(k_restored + ws2 * ROWS * BK + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+                )
+            io_mask = row_ok[:, None] & v_ok[None, :]
+            io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
+            b_v = tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32)
+            b_do = tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32)
+            dS = tl.load(dstates + i_c * HV * K * V + state_kv, mask=state_mask, other=0.0).to(tl.float32)
+
+            U = tl.dot(b_ib, b_v, input_precision=DOT_PRECISION) - _mm(
+                b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+            )
+            dU = tl.dot(tl.trans(b_M), b_do, input_precision=DOT_PRECISION) + _mm(
+                b_kr, dS, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+            )
+            b_dv = tl.dot(tl.trans(b_ib), dU, input_precision=DOT_PRECISION)
+            tl.store(dv + io, b_dv.to(dv.dtype.element_ty), mask=io_mask)
+            St = tl.trans(S)
+            d_qd += _mm(b_do, St, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            d_w -= _mm(dU, St, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            d_kr += _mm(U, tl.trans(dS), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            d_gamma += tl.sum(S * dS, axis=1)
+            d_M += _mm(b_do, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            d_ib += _mm(dU, tl.trans(b_v), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+
+        # ---- the prepare stage, recomputed in float32, run backwards
+        b_g, b_beta, x, a, b_raw = load_gate_beta(
+            g, beta, A_log, dt_bias, tok, row_ok, rows_k, k_ok, i_hv, HV, K, lower_bound, beta_scale,
+            GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+        )  # fmt: skip
+        G2, G2_last, b_qd, b_kd, b_kr32, b_kinv, b_Au, _, T, b_ib32, _, any_far = chunk_operands(
+            b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
+        )
+        # w = inverse_beta K~; inverse_beta = T Diag(beta); A = Diag(beta) A_unit; dA = -T^T dT T^T
+        d_ib += tl.dot(d_w, tl.trans(b_kd), input_precision=DOT_PRECISION)
+        d_kd = tl.dot(tl.trans(b_ib32), d_w, input_precision=DOT_PRECISION)
+        d_beta = tl.sum(T * d_ib, axis=0)
+        Tt = tl.trans(T)
+        dA = -tl.dot(tl.dot(Tt, d_ib * b_beta[None, :], input_precision="ieee"), Tt, input_precision="ieee")
+        dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
+        d_beta += tl.sum(dA * b_Au, axis=1)
+        dAu = dA * b_beta[:, None]
+        d_M = tl.where(rows[:, None] >= rows[None, :], d_M, 0.0)
+        if SAFE:
+            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
+        elif any_far:
+            dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, scale, rows)
+        else:
+            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
+
+        decay = tl.exp2(G2)
+        dq_hat += scale * decay * d_qd + dq_pair
+        dk_hat += decay * d_kd + tl.exp2(G2_last[None, :] - G2) * d_kr + dk_pair
+        dG = d_qd * b_qd + d_kd * b_kd - d_kr * b_kr32 + dG_pair
+        # G = cumsum(g), and G_last (gamma's and K^'s exponent) is the sum of every row's g
+        dG_last = tl.sum(d_kr * b_kr32, axis=0) + d_gamma * tl.exp2(G2_last)
+        d_g = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
+
+        # ---- the in-kernel activations
+        io_k = (tok[:, None] * HV + i_hv) * K + rows_k[None, :]
+        if GATE == 1:  # g = lb sigmoid(z), z = a x
+            s = tl.sigmoid(a * x)
+            d_z = tl.where(mask, d_g * lower_bound * s * (1.0 - s), 0.0)
+            d_x = d_z * a
+            if HAS_A_LOG:
+                tl.store(dA_log_part + i_c * HV + i_hv, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
+        elif GATE == 2:  # g = -a softplus(x)
+            d_x = tl.where(mask, -a * d_g * tl.sigmoid(x), 0.0)
+            tl.store(dA_log_part + i_c * HV + i_hv, tl.sum(tl.sum(d_g * b_g, axis=1), axis=0))
+        else:
+            d_x = d_g
+        if GATE != 0 and HAS_DT_BIAS:
+            tl.store(ddt_bias_part + (i_c * HV + i_hv) * K + rows_k, tl.sum(d_x, axis=0), mask=k_ok)
+        tl.store(dg + io_k, d_x.to(dg.dtype.element_ty), mask=mask)
+        if BETA_SIGMOID:
+            s_b = tl.sigmoid(b_raw)
+            d_beta = d_beta * beta_scale * s_b * (1.0 - s_b)
+        tl.store(dbeta + tok * HV + i_hv, d_beta.to(dbeta.dtype.element_ty), mask=row_ok)
+
+    # ---- l2norm: x^ = x r, dx = r (dx^ - x^ sum(x^ dx^))
+    if L2NORM:
+        dq_hat = q_rstd[:, None] * (dq_hat - b_q * tl.sum(b_q * dq_hat, axis=1)[:, None])
+        dk_hat = k_rstd[:, None] * (dk_hat - b_k * tl.sum(b_k * dk_hat, axis=1)[:, None])
+    io_qk = (tok[:, None] * H + i_h) * K + rows_k[None, :]
+    tl.store(dq + io_qk, dq_hat.to(dq.dtype.element_ty), mask=mask)
+    tl.store(dk + io_qk, dk_hat.to(dk.dtype.element_ty), mask=mask)
+
+
+def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
+                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
+    """Launch the local gradients over every (chunk, q/k head); writes ``grads`` (dq, dk, dv,
+    dg, dbeta in the inputs' shapes, and the per-chunk partials dA_log [NC, HV], dt_bias
+    [NC, HV, K] where the gate has them)."""
+    gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
+    chunk_grads_kernel[(tables.num_chunks, p.H)](
+        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, do,
+        tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
+        ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
+        checkpoints, dstates,
+        grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
+        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+        p.H, p.HV, p.K, p.V, BK=tables.BK,
+        GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=gate == 1 and p.lower_bound >= -5.0,
+        MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
+    )  # fmt: skip

@@ -1,0 +1,77 @@
+"""The Triton backend's training path: a forward that saves state checkpoints, and the backward.
+
+Memory, on purpose: the forward keeps nothing but its inputs and the float32 state entering
+every ``CHECKPOINT_CHUNKS``-th chunk (a quarter of the per-chunk states). The backward
+recomputes the prepare stage's operands (token-parallel, cheap), runs the reverse chain of the
+state gradient (``state_grad.py``, which stores the gradient of every chunk's leaving state in
+the workspace dtype), then every chunk's local gradients (``chunk_grad.py``, which steps the
+state forward from its checkpoint). Nothing of the size of the per-chunk states lives beyond
+the backward call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda.dispatch import note
+from kda.triton import chunk_forward, precision_for
+from kda.triton.chunk_grad import chunk_grads
+from kda.triton.common import checkpoint_rows, chunk_tables
+from kda.triton.prepare import prepare_chunks
+from kda.triton.state_grad import state_grad_chain
+from kda.validation import Problem
+
+
+def checkpoint_shape(p: Problem) -> tuple[int, int, int, int]:
+    """``[rows, HV, V, K]``: the training forward's checkpoints (see common.checkpoint_rows)."""
+    return (checkpoint_rows(p.B, p.T, p.N, p.cu_seqlens is not None), p.HV, p.V, p.K)
+
+
+def train_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(o, final_state, checkpoints)``: the forward, saving what the backward needs."""
+    checkpoints = p.q.new_empty(checkpoint_shape(p), dtype=torch.float32)
+    o, ht = chunk_forward(p, checkpoints=checkpoints)
+    return o, ht, checkpoints
+
+
+def backward(
+    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, checkpoints: torch.Tensor
+) -> dict[str, torch.Tensor | None]:
+    """Gradients of every differentiable input of ``p`` for the output gradient ``do`` and the
+    final-state gradient ``dht`` (None: zero): a dict keyed by input name (q, k, v, g, beta,
+    A_log, dt_bias, initial_state), each in its input's shape and dtype, or None where the
+    input is absent."""
+    workspace_dtype, dot_precision, mixed = precision_for(p.q.dtype)
+    tables = chunk_tables(p)
+    grads: dict[str, torch.Tensor | None] = {
+        "q": torch.empty_like(p.q),
+        "k": torch.empty_like(p.k),
+        "v": torch.empty_like(p.v),
+        "g": torch.empty_like(p.g),
+        "beta": torch.empty_like(p.beta),
+    }
+    NC, HV = tables.num_chunks, p.HV
+    A_log_part = dt_bias_part = None
+    if p.A_log is not None:
+        A_log_part = p.q.new_zeros(NC, HV, dtype=torch.float32)
+        grads["A_log"] = A_log_part
+    if p.dt_bias is not None:
+        dt_bias_part = p.q.new_zeros(NC, HV, p.K, dtype=torch.float32)
+        grads["dt_bias"] = dt_bias_part
+    h0 = p.initial_state
+    dh0 = None if h0 is None else torch.empty(h0.shape, dtype=torch.float32, device=h0.device)
+    if p.N * HV:
+        ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
+        note("triton:prepare_chunks")
+        dstates = p.q.new_empty(NC, HV, p.V, p.K, dtype=workspace_dtype)
+        state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
+        note("triton:state_grad_chain")
+        if NC:
+            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision)
+            note("triton:chunk_grads")
+    if A_log_part is not None:
+        grads["A_log"] = A_log_part.sum(0)
+    if dt_bias_part is not None:
+        grads["dt_bias"] = dt_bias_part.sum(0).view(p.dt_bias.shape)
+    grads["initial_state"] = None if dh0 is None else dh0.to(h0.dtype)
+    return grads
