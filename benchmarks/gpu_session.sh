@@ -9,10 +9,17 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
+# Autotune results on disk, kept between calls (fla retunes for minutes per new head count):
+# the previous call's $OUT/triton-autotune.tgz, carried in .whl, is unpacked first.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p $TRITON_CACHE_DIR
+[[ -f .whl/triton-autotune.tgz ]] && tar xzf .whl/triton-autotune.tgz -C $TRITON_CACHE_DIR && echo "autotune cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) entries"
+save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tgz" -T -); }
+trap save_autotune EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-# steps: all, or one of cuda / quick / bench / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / bench / train / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -76,6 +83,9 @@ if [[ $step == *profile* ]]; then
       echo "warps $warps"; grep -E "H96|H64|H32|H16" "$OUT/quick-w$warps.log"
     done
   fi
+fi
+if [[ $step == *train* ]]; then  # fwd+bwd against fla (kda bench --train)
+  timeout ${TRAIN_TIMEOUT:-400} python3 -m kda bench --train --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench-train.log" 2>&1; tail -40 "$OUT/bench-train.log"
 fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"

@@ -178,3 +178,38 @@ def assert_graph_replays_eager(case: Case, backend: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager), f"{backend}: graph replay differs from the eager call"
+
+
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def gradients(
+    case: Case, backend: str, recurrent: bool = False, seed: int = 0, final_state_grad: bool = True, **over
+) -> dict[str, torch.Tensor]:
+    """The gradients of ``sum(o * do) + sum(final_state * dht)`` with respect to every tensor
+    input of ``case`` (GRAD_INPUTS that are present), computed by ``backend``; ``do`` and ``dht``
+    are random, drawn from ``seed`` on the CPU (the same for every backend and dtype).
+    ``final_state_grad=False`` leaves the final state out of the loss."""
+    leaves = {name: getattr(case, name) for name in GRAD_INPUTS if getattr(case, name) is not None}
+    leaves = {name: x.detach().clone().requires_grad_() for name, x in leaves.items()}
+    kw = case.kwargs(**over)
+    kw.update({name: leaves[name] for name in ("initial_state", "A_log", "dt_bias") if name in leaves})
+    fn = kda.fused_recurrent_kda if recurrent else kda.chunk_kda
+    if recurrent:
+        kw.pop("safe_gate", None)
+    o, ht = fn(*(leaves[name] for name in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
+    loss = (o * do).sum()
+    if final_state_grad and ht is not None:
+        dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device, ht.dtype)
+        loss = loss + (ht * dht).sum()
+    if not loss.requires_grad:  # nothing reaches the loss (no tokens, no state): every gradient is zero
+        return {name: torch.zeros_like(x) for name, x in leaves.items()}
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    return dict(zip(leaves, grads))
+
+
+def fp64_gradients(case: Case, **kw) -> dict[str, torch.Tensor]:
+    """:func:`gradients` by float64 autograd of the token loop, on the CPU: the yardstick."""
+    return gradients(case.to(torch.float64, "cpu"), "torch", recurrent=True, **kw)

@@ -152,33 +152,40 @@ def accuracy_rows(calls: dict) -> list[dict]:
     return rows
 
 
-KERNEL_NAMES = ("kda_prepare", "kda_recurrence", "prepare_chunks_kernel", "recurrence_v_split_kernel")
+KERNEL_NAMES = (
+    "kda_prepare", "kda_recurrence", "prepare_chunks_kernel", "recurrence_v_split_kernel", "state_grad_chain_kernel",
+    "chunk_grads_kernel",
+)  # fmt: skip
+
+
+def kernel_times(run, iters: int = 20) -> dict:
+    """GPU ms per ``run()`` of each kda kernel, from the torch profiler's CUDA activity (a
+    kernel launched twice per run, like the training step's prepare, counts both)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        kernel = next((k for k in KERNEL_NAMES if event.key.startswith(k)), None)
+        if kernel:
+            total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+            times[kernel] = times.get(kernel, 0.0) + total_us / iters / 1e3
+    return times
 
 
 def kernel_split(calls: dict, case: dict, iters: int = 20) -> dict:
-    """Per-kernel GPU time (ms per call) of each kda backend on ``case``, from the torch
-    profiler's CUDA activity: how the time divides between prepare (K1) and recurrence (K2)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Per-kernel GPU time (ms per call) of each kda backend on ``case``: how the time divides
+    between prepare (K1) and recurrence (K2)."""
     tensors, kw = make_inputs(case)
-    split = {}
-    for name, call in calls.items():
-        if not name.startswith("kda-"):
-            continue
-        call(tensors, kw)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                call(tensors, kw)
-            torch.cuda.synchronize()
-        times = {}
-        for event in prof.key_averages():
-            kernel = next((k for k in KERNEL_NAMES if event.key.startswith(k)), None)
-            if kernel:
-                total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-                times[kernel] = times.get(kernel, 0.0) + total_us / iters / 1e3
-        split[name] = times
-    return split
+    return {
+        name: kernel_times(lambda call=call: call(tensors, kw), iters) for name, call in calls.items()
+        if name.startswith("kda-")
+    }  # fmt: skip
 
 
 def layout_cost(calls: dict, case: dict) -> dict:
@@ -268,6 +275,8 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("kda bench needs a CUDA GPU (it times kernels); use `kda compare` on CPU")
         return 1
+    if args.train:
+        return train_main(args)
     calls = contenders()
     if args.impls:
         wanted = args.impls.split(",")
@@ -318,6 +327,193 @@ def main(args) -> int:
         plot(report, out / f"{stem}.png")
     print(markdown_table(report))
     return 0
+
+
+# Training (forward + backward): bf16, lower-bound gate, h0, a gradient into the final state too.
+TRAIN_CASES = [
+    {"name": "1x8192 H32", "seq_lens": [8192], "H": 32},
+    {"name": "1x8192 H64", "seq_lens": [8192], "H": 64},
+    {"name": "1x8192 H96", "seq_lens": [8192], "H": 96},
+    {"name": "varlen 4x4096 H32", "seq_lens": [4096] * 4, "H": 32},
+]
+TRAIN_TARGET = 0.8  # issue 11: fwd+bwd time <= 0.8x fla's (moonshot 0.6x), peak extra memory <= fla's
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def train_contenders() -> dict:
+    """name -> callable(tensors, kwargs) -> (o, final_state), for the implementations with a
+    backward: kda's Triton path and fla's chunk_kda (FLA_FLASH_KDA=0)."""
+    import kda
+
+    out = {"kda-triton": lambda t, kw: kda.chunk_kda(*t, backend="triton", **kw)}
+    if importlib.util.find_spec("fla") is not None:
+        os.environ["FLA_FLASH_KDA"] = "0"
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        out["fla"] = lambda t, kw: fla_chunk_kda(*t, **kw)
+    return out
+
+
+def train_inputs(tensors: tuple, kw: dict, seed: int = 1) -> tuple[tuple, dict, list, tuple]:
+    """Leaves that require grad (the five tensors, h0, A_log, dt_bias), the keyword arguments
+    holding them, the leaves as a list, and random (do, dht) for o and the final state."""
+    leaves = tuple(x.detach().clone().requires_grad_() for x in tensors)
+    kw = dict(kw)
+    for name in GRAD_NAMES[5:]:
+        kw[name] = kw[name].detach().clone().requires_grad_()
+    gen = torch.Generator(device=tensors[0].device).manual_seed(seed)
+    B, T, _, _ = tensors[0].shape
+    H, D = tensors[2].shape[2:]
+    do = torch.randn(B, T, H, D, generator=gen, device=tensors[0].device).to(tensors[0].dtype)
+    dht = torch.randn(kw["initial_state"].shape, generator=gen, device=tensors[0].device)
+    return leaves, kw, [*leaves, *(kw[name] for name in GRAD_NAMES[5:])], (do, dht)
+
+
+def fwd_bwd(call, leaves: tuple, kw: dict, grads_out: tuple) -> None:
+    o, ht = call(leaves, kw)
+    torch.autograd.backward([o, ht], list(grads_out))
+
+
+def train_accuracy_rows(calls: dict) -> list[dict]:
+    """Every gradient's relative RMS against float64 autograd of the token loop (on the GPU),
+    bf16 inputs, the same inputs and output gradients for every implementation."""
+    import kda
+    from kda.reference import relative_rms
+
+    rows = []
+    for lens in ([1024], [512, 300, 777]):
+        # H32, as TRAIN_CASES[0]: fla's autotuning (minutes per new head count) is shared
+        tensors, kw = make_inputs({"seq_lens": lens, "H": 32}, seed=2)
+        # fused_recurrent_kda takes neither (the gate is the same without safe_gate's promise)
+        loop_kw = {n: v for n, v in kw.items() if n not in ("safe_gate", "cu_seqlens_cpu")}
+        as64 = {
+            n: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for n, v in loop_kw.items()
+        }
+        leaves, kw64, all64, (do, dht) = train_inputs(tuple(x.double() for x in tensors), as64)
+        o, ht = kda.fused_recurrent_kda(*leaves, backend="torch", **kw64)
+        torch.autograd.backward([o, ht], [do.double(), dht.double()])
+        ref = {name: x.grad for name, x in zip(GRAD_NAMES, all64)}
+        for name, call in calls.items():
+            leaves, kw_i, all_i, _ = train_inputs(tensors, kw)
+            fwd_bwd(call, leaves, kw_i, (do, dht))
+            row = {"case": f"lens {lens} H32", "impl": name}
+            row.update({g: relative_rms(x.grad, ref[g]) for g, x in zip(GRAD_NAMES, all_i)})
+            rows.append(row)
+    return rows
+
+
+def train_main(args) -> int:
+    """``kda bench --train``: fwd+bwd time and peak extra memory of each implementation with a
+    backward on TRAIN_CASES, the same inputs and output gradients, and the gradients' accuracy."""
+    import triton.testing
+
+    calls = train_contenders()
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "gpu": props.name, "date": date, "versions": versions(),
+        "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms, grads set to None each call)",
+        "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5 with A_log, dt_bias; l2norm and beta sigmoid "
+                  "fused; fp32 h0 [N,H,V,K]; loss = <o, do> + <final_state, dht>; every input requires grad",
+        "grad_accuracy_vs_fp64": train_accuracy_rows(calls),
+        "cases": [],
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{props.name.split()[-1].lower()}-{date}-train{args.tag}"
+    cases = [TRAIN_CASES[int(i)] for i in args.cases.split(",")] if args.cases else TRAIN_CASES
+    for case in cases:
+        tensors, kw = make_inputs(case)
+        row = {"case": case["name"], "fwd_ms": {}, "fwd_bwd_ms": {}, "peak_extra_GB": {}, "first_call_s": {}}
+        for name, call in calls.items():
+            leaves, kw_i, grad_leaves, grads_out = train_inputs(tensors, kw)
+            start = time.perf_counter()
+            fwd_bwd(call, leaves, kw_i, grads_out)
+            torch.cuda.synchronize()
+            row["first_call_s"][name] = time.perf_counter() - start
+            for x in grad_leaves:
+                x.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd(call, leaves, kw_i, grads_out)
+            torch.cuda.synchronize()
+            row["peak_extra_GB"][name] = (torch.cuda.max_memory_allocated() - base) / 1e9
+            row["fwd_bwd_ms"][name] = triton.testing.do_bench(
+                lambda: fwd_bwd(call, leaves, kw_i, grads_out), warmup=25, rep=100, grad_to_none=grad_leaves,
+                return_mode="median",
+            )  # fmt: skip
+            row["fwd_ms"][name] = triton.testing.do_bench(
+                lambda: call(leaves, kw_i), warmup=25, rep=100, return_mode="median"
+            )
+            if name.startswith("kda-"):
+                row["kernel_ms"] = kernel_times(lambda: fwd_bwd(call, leaves, kw_i, grads_out), iters=5)
+            print(f"  {name}: fwd+bwd {row['fwd_bwd_ms'][name]:.3f} ms, fwd {row['fwd_ms'][name]:.3f} ms, "
+                  f"peak extra {row['peak_extra_GB'][name]:.2f} GB (first call {row['first_call_s'][name]:.1f} s)",
+                  flush=True)  # fmt: skip
+        if "fla" in calls:
+            row["fwd_bwd_ratio_to_fla"] = {n: t / row["fwd_bwd_ms"]["fla"] for n, t in row["fwd_bwd_ms"].items()}
+            row["memory_ratio_to_fla"] = {n: m / row["peak_extra_GB"]["fla"] for n, m in row["peak_extra_GB"].items()}
+        report["cases"].append(row)
+        print(case["name"], {n: round(t, 3) for n, t in row["fwd_bwd_ms"].items()}, flush=True)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        (out / f"{stem}.md").write_text(train_markdown_table(report))
+        train_plot(report, out / f"{stem}.png")
+    print(train_markdown_table(report))
+    return 0
+
+
+def train_markdown_table(report: dict) -> str:
+    impls = list(report["cases"][0]["fwd_bwd_ms"])
+    others = [n for n in impls if n != "fla"]
+    lines = [
+        f"{report['gpu']}, {report['date']}, " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "",
+        "| case | " + " | ".join(f"{n} fwd+bwd ms" for n in impls) + " | "
+        + " | ".join(f"{n} / fla" for n in others) + " | " + " | ".join(f"{n} fwd ms" for n in impls) + " | "
+        + " | ".join(f"{n} peak extra GB" for n in impls) + " |",
+        "|---|" + "---:|" * (3 * len(impls) + len(others)),
+    ]  # fmt: skip
+    for row in report["cases"]:
+        ratios = row.get("fwd_bwd_ratio_to_fla", {})
+        cells = [f"{row['fwd_bwd_ms'][n]:.3f}" for n in impls]
+        cells += [f"{ratios[n]:.3f}" if n in ratios else "-" for n in others]
+        cells += [f"{row['fwd_ms'][n]:.3f}" for n in impls] + [f"{row['peak_extra_GB'][n]:.2f}" for n in impls]
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
+    lines += ["", "| per kernel, one fwd+bwd | kernel | ms |", "|---|---|---:|"]
+    for row in report["cases"]:
+        lines += [f"| {row['case']} | {kernel} | {ms:.3f} |" for kernel, ms in row.get("kernel_ms", {}).items()]
+    lines += ["", "| gradient accuracy | impl | " + " | ".join(f"d{g}" for g in GRAD_NAMES) + " |",
+              "|---|---|" + "---:|" * len(GRAD_NAMES)]  # fmt: skip
+    for a in report["grad_accuracy_vs_fp64"]:
+        lines.append(f"| {a['case']} | {a['impl']} | " + " | ".join(f"{a[g]:.2e}" for g in GRAD_NAMES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def train_plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'kda[bench]')")
+        return
+    cases = [r["case"] for r in report["cases"]]
+    impls = list(report["cases"][0]["fwd_bwd_ms"])
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
+        ax_t.bar(xs, [r["fwd_bwd_ms"][name] for r in report["cases"]], width, label=name)
+        ax_m.bar(xs, [r["peak_extra_GB"][name] for r in report["cases"]], width, label=name)
+    for ax, label in ((ax_t, "fwd+bwd ms (median, do_bench)"), (ax_m, "peak extra memory, GB")):
+        ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"KDA training step, {report['gpu']}, {report['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def markdown_table(report: dict) -> str:

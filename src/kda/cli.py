@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time the anchor cases against fla (GPU)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for JSON, Markdown and PNG")
     bench.add_argument("--quick", action="store_true", help="fewer, shorter cases")
+    bench.add_argument(
+        "--train", action="store_true", help="training: fwd+bwd time and peak memory against fla's (TRAIN_CASES)"
+    )
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
     bench.add_argument("--tag", default="", help="suffix for the result file names (partial runs)")
     bench.add_argument(

@@ -53,8 +53,8 @@ class Problem:
     allow_neg_eigval: bool
     safe_gate: bool
     lower_bound: float | None
-    A_log: torch.Tensor | None  # [HV] float32, only with use_gate
-    dt_bias: torch.Tensor | None  # [HV * K] or [HV, K] float32, only with use_gate
+    A_log: torch.Tensor | None  # [HV] float32 (float64 for float64 inputs), only with use_gate
+    dt_bias: torch.Tensor | None  # [HV * K] or [HV, K], A_log's dtype, only with use_gate
     state_v_first: bool
     cu_seqlens: torch.Tensor | None
     cu_seqlens_cpu: torch.Tensor | None  # host copy of cu_seqlens (given, or made when checking it)
@@ -176,8 +176,16 @@ def _check_cu_seqlens(
 
 
 def _check_gate_params(
-    A_log: object, dt_bias: object, HV: int, K: int, device: torch.device, lower_bound: float | None
+    A_log: object,
+    dt_bias: object,
+    HV: int,
+    K: int,
+    device: torch.device,
+    lower_bound: float | None,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A_log and dt_bias in ``dtype``: float32 for the kernels, float64 for a float64 call (the
+    reference's yardstick keeps every input's precision)."""
     # Each tensor is converted only when needed: a dtype conversion or a helper call costs host
     # time even when it changes nothing.
     if A_log is None:
@@ -193,7 +201,7 @@ def _check_gate_params(
             a = a.reshape(HV)  # a reshape costs about a microsecond even when it changes nothing
         if a.device != device:
             _require_device("A_log", a, device)
-        A_log = (a if a.dtype == torch.float32 else a.float()).contiguous()
+        A_log = (a if a.dtype == dtype else a.to(dtype)).contiguous()
     if dt_bias is not None:
         d = dt_bias if isinstance(dt_bias, Tensor) else _require_tensor("dt_bias", dt_bias)
         shape = d.shape
@@ -203,7 +211,7 @@ def _check_gate_params(
             d = d.reshape(HV, K)
         if d.device != device:
             _require_device("dt_bias", d, device)
-        dt_bias = (d if d.dtype == torch.float32 else d.float()).contiguous()
+        dt_bias = (d if d.dtype == dtype else d.to(dtype)).contiguous()
     return A_log, dt_bias
 
 
@@ -358,7 +366,8 @@ def check_problem(
                 f"`lower_bound` must be in the safe range [-5, 0) with `safe_gate=True`, got {lower_bound}"
             )
     if use_gate:
-        A_log, dt_bias = _check_gate_params(A_log, dt_bias, HV, K, device, lower_bound)
+        gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        A_log, dt_bias = _check_gate_params(A_log, dt_bias, HV, K, device, lower_bound, gate_dtype)
         gate_form = "softplus" if lower_bound is None else "lower_bound"
     else:
         A_log, dt_bias, lower_bound, gate_form = None, None, None, "precomputed"

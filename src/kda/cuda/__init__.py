@@ -97,7 +97,7 @@ class CudaBackend:
             name, x = ("g", p.g) if p.g.dtype not in READ_DTYPES else ("beta", p.beta)
             return f"`{name}` in {x.dtype} (the CUDA kernels read bfloat16 or float32)"
         if p.requires_grad:
-            return "inputs require grad and there is no CUDA backward (use backend='torch')"
+            return "inputs require grad and the CUDA path has no backward (backend='auto' trains on Triton)"
         if not q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {q.device} (needs CUDA tensors)"
         if _capability(q.get_device()) != (9, 0):

@@ -64,7 +64,7 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
     dq = tl.zeros(b_q.shape, dtype=tl.float32)
     dk = tl.zeros(b_q.shape, dtype=tl.float32)
     dG = tl.zeros(b_q.shape, dtype=tl.float32)
-    for j in tl.static_range(ROWS):
+    for j in tl.range(0, ROWS):  # not unrolled: this rare path would cost half a minute of compile
         k_j = _row(b_k, rows, j)
         d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # rows i < j carry zero gradients
         a = _col(dAu, rows, j)
@@ -80,7 +80,7 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
 
 
 @triton.autotune(
-    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(4, 8), stages=(1,)),
+    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(8, 4), stages=(1,)),  # 8 warps spill least (ptxas)
     key=["BK", "V", "GATE", "SAFE", "MIXED"],
 )
 @triton.jit
@@ -170,8 +170,10 @@ def chunk_grads_kernel(
             d_w -= _mm(dU, St, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
             d_kr += _mm(U, tl.trans(dS), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
             d_gamma += tl.sum(S * dS, axis=1)
-            d_M += _mm(b_do, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-            d_ib += _mm(dU, tl.trans(b_v), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            # The 16 x 16 products on the CUDA cores: as tl.dot they would pull every dot they chain
+            # with into their own warp layout, which replicates 16-row tiles across the warps.
+            d_M += tl.sum(b_do[:, None, :] * U[None, :, :], axis=2)
+            d_ib += tl.sum(dU[:, None, :] * b_v[None, :, :], axis=2)
 
         # ---- the prepare stage, recomputed in float32, run backwards
         b_g, b_beta, x, a, b_raw = load_gate_beta(
