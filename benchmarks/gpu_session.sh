@@ -91,8 +91,11 @@ if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 fi
 if [[ $step == all || $step == *tests* ]]; then
-  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} ${TESTS:-tests} -p no:cacheprovider --durations=15 > "$OUT/pytest-gpu.log" 2>&1
-  grep -E "passed|failed|kda o|Error|assert" "$OUT/pytest-gpu.log" | head -20
+  # -v: each result is logged as it lands (a run cut short still says what passed); --timeout: one
+  # stuck test fails alone (pytest-timeout is in the GPU image)
+  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -v -rfE -n ${WORKERS:-8} ${TESTS:-tests} \
+    -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=15 > "$OUT/pytest-gpu.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed|gradient rel RMS|kda o" "$OUT/pytest-gpu.log" | grep -v PASSED | head -30
 fi
 if [[ $step == all || $step == *compare* ]]; then
   timeout 120 python3 -m kda compare > "$OUT/compare.log" 2>&1; tail -5 "$OUT/compare.log"

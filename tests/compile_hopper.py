@@ -6,13 +6,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
-from kda.triton.chunk_grad import chunk_grads_kernel
+from kda.triton.chunk_grad import chunk_input_grads_kernel, chunk_state_grads_kernel
 from kda.triton.prepare import prepare_chunks_kernel
 from kda.triton.recurrence import recurrence_v_split_kernel
 from kda.triton.state_grad import state_grad_chain_kernel
 
 FP32 = ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht", "checkpoints", "dht", "dh0", "dA_log_part",
-        "ddt_bias_part")  # fmt: skip
+        "ddt_bias_part", "d_operands", "d_squares", "d_gamma_in", "d_gamma_out")  # fmt: skip
 POINTERS = {
     **{n: "*fp32" for n in FP32},
     **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets")},
@@ -57,12 +57,18 @@ for mixed, (BV, num_warps) in itertools.product((False, True), ((32, 2), (64, 4)
              MIXED=mixed, DOT_PRECISION="tf32", INTERPRET=False),
         num_warps,
     )  # fmt: skip
-for gate, (BV, num_warps) in itertools.product((0, 1, 2), ((32, 4), (64, 8))):
+for BV, num_warps in ((32, 8), (64, 4)):
     build(
-        chunk_grads_kernel,
-        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32",
-         "V": "i32"},
-        dict(BK=128, BV=BV, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
-             SAFE=gate == 1, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
+        chunk_state_grads_kernel,
+        {"HV": "i32", "K": "i32", "V": "i32"},
+        dict(BK=128, BV=BV, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
         num_warps,
+    )  # fmt: skip
+for gate in (0, 1, 2):
+    build(
+        chunk_input_grads_kernel,
+        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32"},
+        dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
+             SAFE=gate == 1, DOT_PRECISION="tf32"),
+        8,
     )  # fmt: skip

@@ -1,9 +1,8 @@
-"""Backward stage 2: every chunk's local gradients, token-parallel, one program per (chunk, q/k
-head) looping over the value heads that share it (GVA: their dq, dk are summed in registers).
+"""Backward stage 2: every chunk's local gradients, token-parallel, in two kernels.
 
-For each value head the program first runs the V dimension in slices, which needs the state S
-entering the chunk and the gradient dS_next of the state leaving it
-(``reference.recurrence_step_backward``):
+:func:`chunk_state_grads_kernel`, one program per (chunk, value head), runs the V dimension in
+slices, which needs the state S entering the chunk and the gradient dS_next of the state
+leaving it (``reference.recurrence_step_backward``):
 
 - S comes from the training forward's checkpoint (the state entering the checkpoint's first
   chunk, ``common.CHECKPOINT_CHUNKS`` chunks apart), stepped forward through the chunks in
@@ -15,12 +14,18 @@ dU`` (stored), and the slice's share of the products summed over V: ``dQ~ = dO S
 ``dw = -dU S^T``, ``dK^ = U dS_next^T``, ``dM = dO U^T``, ``d inverse_beta = dU V^T`` and
 ``dgamma = rowsum(S * dS_next)``.
 
-Then the program recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``)
-and runs it backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
+It writes them to float32 scratch. :func:`chunk_input_grads_kernel`, one program per (chunk,
+q/k head) looping over the value heads that share it (GVA: their dq, dk are summed in
+registers), recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``) and
+runs it backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
 through A and M to k, q and the decay (factored as in the forward where the gate keeps the
 exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
 in-kernel activations (gate, beta sigmoid, l2norm) to the raw inputs. dA_log and dt_bias,
 shared by every token, get per-chunk partial sums that the launcher adds up.
+
+Why two kernels: in one, the V slices' accumulators and the prepare stage's recomputed
+operands (a dozen 16 x K float32 tiles) were live together and spilled about 1 KB a thread
+(ptxas, sm_90); it ran at 5.3 ms of a 6.9 ms training step on 1x8192 H32 (H200, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -80,26 +85,25 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
 
 
 @triton.autotune(
-    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(8, 4), stages=(1,)),  # 8 warps spill least (ptxas)
-    key=["BK", "V", "GATE", "SAFE", "MIXED"],
+    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(4, 8), stages=(1,)),
+    key=["BK", "V", "MIXED"],
 )
 @triton.jit
-def chunk_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, do,
-    seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
+def chunk_state_grads_kernel(
+    v, do, seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
     w, k_restored, gamma, inverse_beta, M,
     checkpoints, dstates,
-    dq, dk, dv, dg, dbeta, dA_log_part, ddt_bias_part,
-    scale, lower_bound, beta_scale,
-    H, HV, K, V,
+    dv, d_operands, d_squares, d_gamma_out,
+    HV, K, V,
     BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr,
-    MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    CHECKPOINT: tl.constexpr,
+    MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, CHECKPOINT: tl.constexpr,
 ):  # fmt: skip
+    """The V slices of one (chunk, value head): dV, and the products with S and dS_next summed
+    over V. The big ones are formed transposed, ``[K, 16] = [K, BV] @ [BV, 16]``, so that the
+    state slice is the left operand and the warps split K (a 16-row result would be replicated
+    across them)."""
     i_c = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
+    i_hv = tl.program_id(1)
     n, bos, eos, c_first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
     c_from = i_c - (i_c - c_first) % CHECKPOINT  # first chunk of this chunk's checkpoint
     checkpoint_row = tl.load(checkpoint_offsets + n) + (i_c - c_first) // CHECKPOINT
@@ -109,11 +113,106 @@ def chunk_grads_kernel(
     tok = t0 + rows
     row_ok = tok < eos
     k_ok = rows_k < K
-    mask = row_ok[:, None] & k_ok[None, :]
     square = rows[:, None] * ROWS + rows[None, :]
     tile = rows[:, None] * BK + rows_k[None, :]  # [16, BK] of a workspace operand
     tile_t = rows[None, :] * BK + rows_k[:, None]  # [BK, 16]
     operand_dtype = w.dtype.element_ty
+    ws = i_c * HV + i_hv
+    b_w = tl.load(w + ws * ROWS * BK + tile)
+    b_kr = tl.load(k_restored + ws * ROWS * BK + tile)
+    b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
+    b_M = tl.load(M + ws * ROWS * ROWS + square)
+
+    d_qdt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_wt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_krt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_gamma = tl.zeros([BK], dtype=tl.float32)
+    d_M = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    for i_v in tl.range(0, tl.cdiv(V, BV)):
+        cols_v = i_v * BV + tl.arange(0, BV)
+        v_ok = cols_v < V
+        state_mask = k_ok[:, None] & v_ok[None, :]
+        state_kv = i_hv * K * V + cols_v[None, :] * K + rows_k[:, None]  # [BK, BV] of a [.., HV, V, K] tensor
+        S = tl.load(checkpoints + checkpoint_row * HV * K * V + state_kv, mask=state_mask, other=0.0)
+        for c2 in tl.range(c_from, i_c):  # the forward's step over the chunks in between
+            tok2 = bos + (c2 - c_first) * ROWS + rows
+            ws2 = c2 * HV + i_hv
+            b_v2 = tl.load(v + (tok2[:, None] * HV + i_hv) * V + cols_v[None, :],
+                           mask=(tok2 < eos)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+            U2 = tl.dot(tl.load(inverse_beta + ws2 * ROWS * ROWS + square), b_v2.to(tl.float32),
+                        input_precision=DOT_PRECISION)  # fmt: skip
+            U2 -= _mm(tl.load(w + ws2 * ROWS * BK + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            S = S * tl.load(gamma + ws2 * BK + rows_k)[:, None] + _mm(
+                tl.load(k_restored + ws2 * ROWS * BK + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+            )
+        io_mask = row_ok[:, None] & v_ok[None, :]
+        io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_v = tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32)
+        b_do = tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32)
+        dS = tl.load(dstates + i_c * HV * K * V + state_kv, mask=state_mask, other=0.0).to(tl.float32)
+
+        U = tl.dot(b_ib, b_v, input_precision=DOT_PRECISION) - _mm(
+            b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        )
+        dU = tl.dot(tl.trans(b_M), b_do, input_precision=DOT_PRECISION) + _mm(
+            b_kr, dS, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        )
+        tl.store(dv + io, tl.dot(tl.trans(b_ib), dU, input_precision=DOT_PRECISION).to(dv.dtype.element_ty),
+                 mask=io_mask)  # fmt: skip
+        d_qdt += _mm(S, tl.trans(b_do), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_wt -= _mm(S, tl.trans(dU), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_krt += _mm(dS, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_gamma += tl.sum(S * dS, axis=1)
+        # The 16 x 16 products on the CUDA cores: as tl.dot they would pull the dots they chain
+        # with into their own warp layout, which replicates 16-row tiles across the warps.
+        d_M += tl.sum(b_do[:, None, :] * U[None, :, :], axis=2)
+        d_ib += tl.sum(dU[:, None, :] * b_v[None, :, :], axis=2)
+
+    # [3, NC, HV, 16, BK] operand gradients (Q~, w, K^), [2, NC, HV, 16, 16] (M, inverse_beta), [NC, HV, BK]
+    plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
+    tl.store(d_operands + ws * ROWS * BK + tile_t, d_qdt)
+    tl.store(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
+    tl.store(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
+    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
+    tl.store(d_squares + ws * ROWS * ROWS + square, d_M)
+    tl.store(d_squares + square_plane + ws * ROWS * ROWS + square, d_ib)
+    tl.store(d_gamma_out + ws * BK + rows_k, d_gamma)
+
+
+@triton.autotune(
+    configs=autotune_configs([{}], warps=(4, 8), stages=(1,)),
+    key=["BK", "GATE", "SAFE"],
+)
+@triton.jit
+def chunk_input_grads_kernel(
+    q, k, g, beta, A_log, dt_bias,
+    seq_offsets, chunk_offsets, chunk_seq,
+    d_operands, d_squares, d_gamma_in,
+    dq, dk, dg, dbeta, dA_log_part, ddt_bias_part,
+    scale, lower_bound, beta_scale,
+    H, HV, K,
+    BK: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The prepare stage of one (chunk, q/k head), recomputed in float32 and run backwards for
+    each value head that shares the q/k head, from the operand gradients of
+    :func:`chunk_state_grads_kernel`."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    # Named, not `_`: the loop below assigns `_` a tensor, and Triton gives a variable one type.
+    _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    rows = tl.arange(0, ROWS)
+    rows_k = tl.arange(0, BK)
+    tok = t0 + rows
+    row_ok = tok < eos
+    k_ok = rows_k < K
+    mask = row_ok[:, None] & k_ok[None, :]
+    square = rows[:, None] * ROWS + rows[None, :]
+    tile = rows[:, None] * BK + rows_k[None, :]
+    plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
+    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
     group = HV // H
 
     b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
@@ -121,78 +220,26 @@ def chunk_grads_kernel(
     dk_hat = tl.zeros([ROWS, BK], dtype=tl.float32)
     for i_g in tl.range(0, group):
         i_hv = i_h * group + i_g
-        ws = (i_c * HV + i_hv).to(tl.int64)
-        b_w = tl.load(w + ws * ROWS * BK + tile)
-        b_kr = tl.load(k_restored + ws * ROWS * BK + tile)
-        b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
-        b_M = tl.load(M + ws * ROWS * ROWS + square)
-
-        # ---- the V slices: the products with S and dS_next, summed over V
-        d_qd = tl.zeros([ROWS, BK], dtype=tl.float32)
-        d_w = tl.zeros([ROWS, BK], dtype=tl.float32)
-        d_kr = tl.zeros([ROWS, BK], dtype=tl.float32)
-        d_gamma = tl.zeros([BK], dtype=tl.float32)
-        d_M = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-        d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-        for i_v in tl.range(0, tl.cdiv(V, BV)):
-            cols_v = i_v * BV + tl.arange(0, BV)
-            v_ok = cols_v < V
-            state_mask = k_ok[:, None] & v_ok[None, :]
-            state_kv = i_hv * K * V + cols_v[None, :] * K + rows_k[:, None]  # [BK, BV] of a [.., HV, V, K] tensor
-            S = tl.load(checkpoints + checkpoint_row * HV * K * V + state_kv, mask=state_mask, other=0.0)
-            for c2 in tl.range(c_from, i_c):  # the forward's step over the chunks in between
-                tok2 = bos + (c2 - c_first) * ROWS + rows
-                ws2 = (c2 * HV + i_hv).to(tl.int64)
-                b_v2 = tl.load(v + (tok2[:, None] * HV + i_hv) * V + cols_v[None, :],
-                               mask=(tok2 < eos)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
-                U2 = tl.dot(tl.load(inverse_beta + ws2 * ROWS * ROWS + square), b_v2.to(tl.float32),
-                            input_precision=DOT_PRECISION)  # fmt: skip
-                U2 -= _mm(tl.load(w + ws2 * ROWS * BK + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-                S = S * tl.load(gamma + ws2 * BK + rows_k)[:, None] + _mm(
-                    tl.load(k_restored + ws2 * ROWS * BK + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
-                )
-            io_mask = row_ok[:, None] & v_ok[None, :]
-            io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
-            b_v = tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32)
-            b_do = tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32)
-            dS = tl.load(dstates + i_c * HV * K * V + state_kv, mask=state_mask, other=0.0).to(tl.float32)
-
-            U = tl.dot(b_ib, b_v, input_precision=DOT_PRECISION) - _mm(
-                b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
-            )
-            dU = tl.dot(tl.trans(b_M), b_do, input_precision=DOT_PRECISION) + _mm(
-                b_kr, dS, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
-            )
-            b_dv = tl.dot(tl.trans(b_ib), dU, input_precision=DOT_PRECISION)
-            tl.store(dv + io, b_dv.to(dv.dtype.element_ty), mask=io_mask)
-            St = tl.trans(S)
-            d_qd += _mm(b_do, St, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-            d_w -= _mm(dU, St, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-            d_kr += _mm(U, tl.trans(dS), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-            d_gamma += tl.sum(S * dS, axis=1)
-            # The 16 x 16 products on the CUDA cores: as tl.dot they would pull every dot they chain
-            # with into their own warp layout, which replicates 16-row tiles across the warps.
-            d_M += tl.sum(b_do[:, None, :] * U[None, :, :], axis=2)
-            d_ib += tl.sum(dU[:, None, :] * b_v[None, :, :], axis=2)
-
-        # ---- the prepare stage, recomputed in float32, run backwards
+        ws = i_c * HV + i_hv
         b_g, b_beta, x, a, b_raw = load_gate_beta(
             g, beta, A_log, dt_bias, tok, row_ok, rows_k, k_ok, i_hv, HV, K, lower_bound, beta_scale,
             GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
         )  # fmt: skip
-        G2, G2_last, b_qd, b_kd, b_kr32, b_kinv, b_Au, _, T, b_ib32, _, any_far = chunk_operands(
+        G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, _, any_far = chunk_operands(
             b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
         )
+        d_w = tl.load(d_operands + plane + ws * ROWS * BK + tile)
+        d_ib = tl.load(d_squares + square_plane + ws * ROWS * ROWS + square)
         # w = inverse_beta K~; inverse_beta = T Diag(beta); A = Diag(beta) A_unit; dA = -T^T dT T^T
         d_ib += tl.dot(d_w, tl.trans(b_kd), input_precision=DOT_PRECISION)
-        d_kd = tl.dot(tl.trans(b_ib32), d_w, input_precision=DOT_PRECISION)
+        d_kd = tl.dot(tl.trans(b_ib), d_w, input_precision=DOT_PRECISION)
         d_beta = tl.sum(T * d_ib, axis=0)
         Tt = tl.trans(T)
         dA = -tl.dot(tl.dot(Tt, d_ib * b_beta[None, :], input_precision="ieee"), Tt, input_precision="ieee")
         dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
         d_beta += tl.sum(dA * b_Au, axis=1)
         dAu = dA * b_beta[:, None]
-        d_M = tl.where(rows[:, None] >= rows[None, :], d_M, 0.0)
+        d_M = tl.where(rows[:, None] >= rows[None, :], tl.load(d_squares + ws * ROWS * ROWS + square), 0.0)
         if SAFE:
             dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
         elif any_far:
@@ -201,11 +248,14 @@ def chunk_grads_kernel(
             dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
 
         decay = tl.exp2(G2)
+        d_qd = tl.load(d_operands + ws * ROWS * BK + tile)
+        d_kr = tl.load(d_operands + 2 * plane + ws * ROWS * BK + tile)
         dq_hat += scale * decay * d_qd + dq_pair
         dk_hat += decay * d_kd + tl.exp2(G2_last[None, :] - G2) * d_kr + dk_pair
-        dG = d_qd * b_qd + d_kd * b_kd - d_kr * b_kr32 + dG_pair
+        dG = d_qd * b_qd + d_kd * b_kd - d_kr * b_kr + dG_pair
         # G = cumsum(g), and G_last (gamma's and K^'s exponent) is the sum of every row's g
-        dG_last = tl.sum(d_kr * b_kr32, axis=0) + d_gamma * tl.exp2(G2_last)
+        d_gamma = tl.load(d_gamma_in + ws * BK + rows_k)
+        dG_last = tl.sum(d_kr * b_kr, axis=0) + d_gamma * tl.exp2(G2_last)
         d_g = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
 
         # ---- the in-kernel activations
@@ -215,14 +265,14 @@ def chunk_grads_kernel(
             d_z = tl.where(mask, d_g * lower_bound * s * (1.0 - s), 0.0)
             d_x = d_z * a
             if HAS_A_LOG:
-                tl.store(dA_log_part + i_c * HV + i_hv, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
+                tl.store(dA_log_part + ws, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
         elif GATE == 2:  # g = -a softplus(x)
             d_x = tl.where(mask, -a * d_g * tl.sigmoid(x), 0.0)
-            tl.store(dA_log_part + i_c * HV + i_hv, tl.sum(tl.sum(d_g * b_g, axis=1), axis=0))
+            tl.store(dA_log_part + ws, tl.sum(tl.sum(d_g * b_g, axis=1), axis=0))
         else:
             d_x = d_g
         if GATE != 0 and HAS_DT_BIAS:
-            tl.store(ddt_bias_part + (i_c * HV + i_hv) * K + rows_k, tl.sum(d_x, axis=0), mask=k_ok)
+            tl.store(ddt_bias_part + ws * K + rows_k, tl.sum(d_x, axis=0), mask=k_ok)
         tl.store(dg + io_k, d_x.to(dg.dtype.element_ty), mask=mask)
         if BETA_SIGMOID:
             s_b = tl.sigmoid(b_raw)
@@ -240,19 +290,32 @@ def chunk_grads_kernel(
 
 def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                 dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
-    """Launch the local gradients over every (chunk, q/k head); writes ``grads`` (dq, dk, dv,
-    dg, dbeta in the inputs' shapes, and the per-chunk partials dA_log [NC, HV], dt_bias
-    [NC, HV, K] where the gate has them)."""
-    gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    chunk_grads_kernel[(tables.num_chunks, p.H)](
-        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, do,
-        tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
+    """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
+    backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
+    shapes, and the per-chunk partials dA_log [NC, HV], dt_bias [NC, HV, K] where the gate has
+    them). Between the two, float32 scratch holds the operand gradients (7 x 16 x BK + 512
+    values per chunk and value head)."""
+    NC, HV, BK = tables.num_chunks, p.HV, tables.BK
+    d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
+    d_squares = p.q.new_empty(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
+    d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
+    chunk_state_grads_kernel[(NC, HV)](
+        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
         ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         checkpoints, dstates,
-        grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
+        grads["v"], d_operands, d_squares, d_gamma,
+        HV, p.K, p.V, BK=BK,
+        MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
+    )  # fmt: skip
+    gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
+    chunk_input_grads_kernel[(NC, p.H)](
+        p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
+        tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
+        d_operands, d_squares, d_gamma,
+        grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.H, p.HV, p.K, p.V, BK=tables.BK,
+        p.H, HV, p.K, BK=BK,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=gate == 1 and p.lower_bound >= -5.0,
-        MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
+        DOT_PRECISION=dot_precision,
     )  # fmt: skip
