@@ -28,10 +28,10 @@ def test_backends_report_every_backend_with_reason():
 
 
 def test_explicit_unavailable_backend_says_why():
-    """CPU tensors to the cuda backend: refused with the reason, on any machine (without a GPU
-    the backend is unavailable; with one, the tensors are on the wrong device)."""
+    """A float32 CPU call to the cuda backend: refused with the reason, on any machine (without
+    a GPU the backend is unavailable; with one, the kernels take bfloat16)."""
     case = make_case(T=8, H=1, K=16, V=16, seed=0)
-    with pytest.raises(kda.BackendUnavailableError, match="cuda.*(" + NO_CUDA_HERE + "|tensors on cpu)"):
+    with pytest.raises(kda.BackendUnavailableError, match="cuda.*(" + NO_CUDA_HERE + "|dtype torch.float32)"):
         kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
 
 

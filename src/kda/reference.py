@@ -352,7 +352,6 @@ def prepare_chunk_backward(
     G = g.cumsum(-2)
     decay = pairwise_decay(G)  # [HV, i, j, K] = exp(G_i - G_j), j <= i
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     A_unit = torch.einsum("hid,hjd,hijd->hij", k, k, decay).masked_fill(~strict, 0.0)  # A without beta
     T = unit_lower_inverse(A_unit * beta.unsqueeze(-1))
     inverse_beta = T * beta.unsqueeze(-2)
@@ -372,9 +371,11 @@ def prepare_chunk_backward(
     # A = Diag(beta) A_unit
     dbeta = dbeta + (dA * A_unit).sum(-1)
     dA_unit = dA * beta.unsqueeze(-1)
-    dM = d.M.masked_fill(~causal, 0.0)
+    # M's diagonal (decay exp(0)) goes to q and k alone: no exponent to differentiate
+    dM_diag = scale * torch.diagonal(d.M, dim1=-2, dim2=-1).unsqueeze(-1)
+    dM = d.M.masked_fill(~strict, 0.0)
 
-    # A_unit_ij = sum_d k_id k_jd e_ijd and M_ij = scale sum_d q_id k_jd e_ijd (e = decay):
+    # A_unit_ij = sum_d k_id k_jd e_ijd and M_ij = scale sum_d q_id k_jd e_ijd (e = decay, j < i):
     # row i, column j and the exponent G_i - G_j each get their share.
     pair_k = torch.einsum("hij,hjd,hijd->hid", dA_unit, k, decay)  # through k_i (row)
     pair_q = scale * torch.einsum("hij,hjd,hijd->hid", dM, k, decay)  # through q_i
@@ -384,11 +385,13 @@ def prepare_chunk_backward(
     dG_pair = k * pair_k + q * pair_q  # d/dG_i of every pair (i, j); d/dG_j is its negative
     dG_pair_col = k * col
 
-    dq = scale * eG * d.q_decayed + pair_q
-    dk = eG * d_k_decayed + pair_k + col + (G[..., -1:, :] - G).exp() * d.k_restored
-    dG = d.q_decayed * q_decayed + d_k_decayed * k_decayed - d.k_restored * k_restored + dG_pair - dG_pair_col
-    dG_last = (d.k_restored * k_restored).sum(-2) + d.gamma * eG_last.squeeze(-2)
-    dg = dG.flip(-2).cumsum(-2).flip(-2) + dG_last.unsqueeze(-2)
+    dq = scale * eG * d.q_decayed + pair_q + dM_diag * k
+    dk = eG * d_k_decayed + pair_k + col + (G[..., -1:, :] - G).exp() * d.k_restored + dM_diag * q
+    dG = d.q_decayed * q_decayed + d_k_decayed * k_decayed + dG_pair - dG_pair_col
+    # dg_t sums dG_i over rows i >= t; K^_i's exponent G_last - G_i is the sum of the g_t with
+    # t > i (a sum over the rows before t), gamma's exponent G_last the sum of every row's g
+    P = d.k_restored * k_restored
+    dg = dG.flip(-2).cumsum(-2).flip(-2) + (P.cumsum(-2) - P) + (d.gamma * eG_last.squeeze(-2)).unsqueeze(-2)
     return dq, dk, dg, dbeta
 
 
