@@ -15,7 +15,7 @@ FP32 = ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht", "checkpoin
         "ddt_bias_part", "d_operands", "d_squares", "d_gamma_in", "d_gamma_out")  # fmt: skip
 POINTERS = {
     **{n: "*fp32" for n in FP32},
-    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets", "checkpoint_seq")},
+    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets")},
 }
 
 
@@ -57,11 +57,11 @@ for mixed, (BV, num_warps) in itertools.product((False, True), ((32, 2), (64, 4)
              MIXED=mixed, DOT_PRECISION="tf32", INTERPRET=False),
         num_warps,
     )  # fmt: skip
-for BV, num_warps in ((128, 8), (64, 4)):
+for BV, num_warps in ((32, 8), (64, 4)):
     build(
         chunk_state_grads_kernel,
-        {"NC": "i32", "HV": "i32", "K": "i32", "V": "i32"},
-        dict(BK=128, BV=BV, SPLIT_V=BV < 128, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
+        {"HV": "i32", "K": "i32", "V": "i32"},
+        dict(BK=128, BV=BV, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
         num_warps,
     )  # fmt: skip
 for gate in (0, 1, 2):

@@ -74,17 +74,6 @@ def test_triton_gradients_varlen_gva_exact(gate):
     assert_gradients_close(gradients(case, "triton"), fp64_gradients(case), FP32_BAR)
 
 
-def test_triton_gradients_with_the_state_in_v_slices(monkeypatch):
-    """Head dims whose state does not fit one program are cut into V slices that add their sums
-    atomically (every head dim up to 128 fits): forced here on small shapes."""
-    from kda.triton import chunk_grad
-
-    monkeypatch.setattr(chunk_grad, "STATE_SLICE_VALUES", 16 * 32)
-    assert chunk_grad.state_slice(40, 32) == 16
-    case = make_case(seq_lens=[70, 9], H=1, HV=2, K=32, V=40, device=DEVICE, seed=16)
-    assert_gradients_close(gradients(case, "triton"), fp64_gradients(case), FP32_BAR)
-
-
 def test_triton_gradients_without_a_log_and_dt_bias():
     """The lower-bound gate without A_log (lb * sigmoid(g + dt_bias)) and without dt_bias."""
     case = make_case(T=40, H=1, K=16, V=16, gate="lower_bound", device=DEVICE, seed=4)

@@ -84,95 +84,100 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
     return dq, dk, dG
 
 
-@triton.autotune(configs=autotune_configs([{}], warps=(8, 4), stages=(1,)), key=["BK", "BV", "MIXED"])
+@triton.autotune(
+    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(4, 8), stages=(1,)),
+    key=["BK", "V", "MIXED"],
+)
 @triton.jit
 def chunk_state_grads_kernel(
-    v, do, seq_offsets, chunk_offsets, checkpoint_offsets, checkpoint_seq,
+    v, do, seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
     w, k_restored, gamma, inverse_beta, M,
     checkpoints, dstates,
     dv, d_operands, d_squares, d_gamma_out,
-    NC, HV, K, V,
-    BK: tl.constexpr, BV: tl.constexpr, SPLIT_V: tl.constexpr,
+    HV, K, V,
+    BK: tl.constexpr, BV: tl.constexpr,
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, CHECKPOINT: tl.constexpr,
 ):  # fmt: skip
-    """One checkpoint's chunks (at most CHECKPOINT of one sequence) for one value head and V
-    slice: the state S^T [BV, BK] starts from the checkpoint and steps forward chunk by chunk as
-    in the forward recurrence (once per chunk: no chunk is stepped twice), and each chunk's
-    gradients are formed beside the step: dV, and the products with S and dS_next summed over
-    the slice. Every big product has 128 rows (the V slice, or K for the transposed ones), so the
-    warps split rows without replicating a 16-row tile. With the V dimension in one slice
-    (SPLIT_V false) the sums are complete and stored; otherwise slices add them atomically."""
-    i_r = tl.program_id(0).to(tl.int64)
+    """The V slices of one (chunk, value head): dV, and the products with S and dS_next summed
+    over V. The big ones are formed transposed, ``[K, 16] = [K, BV] @ [BV, 16]``, so that the
+    state slice is the left operand and the warps split K (a 16-row result would be replicated
+    across them)."""
+    i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
-    i_v = tl.program_id(2)
-    n = tl.load(checkpoint_seq + i_r)
-    bos = tl.load(seq_offsets + n)
-    eos = tl.load(seq_offsets + n + 1)
-    c_first = tl.load(chunk_offsets + n)
-    c_start = c_first + (i_r - tl.load(checkpoint_offsets + n)) * CHECKPOINT
-    c_stop = tl.minimum(c_start + CHECKPOINT, tl.load(chunk_offsets + n + 1))
+    n, bos, eos, c_first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    c_from = i_c - (i_c - c_first) % CHECKPOINT  # first chunk of this chunk's checkpoint
+    checkpoint_row = tl.load(checkpoint_offsets + n) + (i_c - c_first) // CHECKPOINT
 
     rows = tl.arange(0, ROWS)
     rows_k = tl.arange(0, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    v_ok = cols_v < V
-    state_mask = v_ok[:, None] & (rows_k[None, :] < K)
-    state_vk = i_hv * K * V + cols_v[:, None] * K + rows_k[None, :]  # [BV, BK] of a [.., HV, V, K] tensor
+    tok = t0 + rows
+    row_ok = tok < eos
+    k_ok = rows_k < K
     square = rows[:, None] * ROWS + rows[None, :]
-    square_t = rows[None, :] * ROWS + rows[:, None]
-    tile = rows[:, None] * BK + rows_k[None, :]  # [16, BK]
+    tile = rows[:, None] * BK + rows_k[None, :]  # [16, BK] of a workspace operand
     tile_t = rows[None, :] * BK + rows_k[:, None]  # [BK, 16]
     operand_dtype = w.dtype.element_ty
-    plane = NC * HV * ROWS * BK  # [3, NC, HV, 16, BK] scratch: Q~, w, K^ gradients
-    square_plane = NC * HV * ROWS * ROWS  # [2, NC, HV, 16, 16]: M, inverse_beta gradients
+    ws = i_c * HV + i_hv
+    b_w = tl.load(w + ws * ROWS * BK + tile)
+    b_kr = tl.load(k_restored + ws * ROWS * BK + tile)
+    b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
+    b_M = tl.load(M + ws * ROWS * ROWS + square)
 
-    St = tl.load(checkpoints + i_r * HV * K * V + state_vk, mask=state_mask, other=0.0)
-    for c in tl.range(c_start, c_stop):
-        tok = bos + (c - c_first) * ROWS + rows
-        io_mask = v_ok[:, None] & (tok < eos)[None, :]
-        io_t = (tok[None, :] * HV + i_hv) * V + cols_v[:, None]  # [BV, 16] view of [16, V]
-        ws = c * HV + i_hv
-        b_vt = tl.load(v + io_t, mask=io_mask, other=0.0).to(tl.float32)
-        b_dot = tl.load(do + io_t, mask=io_mask, other=0.0).to(tl.float32)
-        dSt = tl.load(dstates + c * HV * K * V + state_vk, mask=state_mask, other=0.0).to(tl.float32)
-        b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
-        b_ibt = tl.load(inverse_beta + ws * ROWS * ROWS + square_t)
-        b_M = tl.load(M + ws * ROWS * ROWS + square)
-        b_wt = tl.load(w + ws * ROWS * BK + tile_t)
-        b_krt = tl.load(k_restored + ws * ROWS * BK + tile_t)
+    d_qdt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_wt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_krt = tl.zeros([BK, ROWS], dtype=tl.float32)
+    d_gamma = tl.zeros([BK], dtype=tl.float32)
+    d_M = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    for i_v in tl.range(0, tl.cdiv(V, BV)):
+        cols_v = i_v * BV + tl.arange(0, BV)
+        v_ok = cols_v < V
+        state_mask = k_ok[:, None] & v_ok[None, :]
+        state_kv = i_hv * K * V + cols_v[None, :] * K + rows_k[:, None]  # [BK, BV] of a [.., HV, V, K] tensor
+        S = tl.load(checkpoints + checkpoint_row * HV * K * V + state_kv, mask=state_mask, other=0.0)
+        for c2 in tl.range(c_from, i_c):  # the forward's step over the chunks in between
+            tok2 = bos + (c2 - c_first) * ROWS + rows
+            ws2 = c2 * HV + i_hv
+            b_v2 = tl.load(v + (tok2[:, None] * HV + i_hv) * V + cols_v[None, :],
+                           mask=(tok2 < eos)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+            U2 = tl.dot(tl.load(inverse_beta + ws2 * ROWS * ROWS + square), b_v2.to(tl.float32),
+                        input_precision=DOT_PRECISION)  # fmt: skip
+            U2 -= _mm(tl.load(w + ws2 * ROWS * BK + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            S = S * tl.load(gamma + ws2 * BK + rows_k)[:, None] + _mm(
+                tl.load(k_restored + ws2 * ROWS * BK + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+            )
+        io_mask = row_ok[:, None] & v_ok[None, :]
+        io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_v = tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32)
+        b_do = tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32)
+        dS = tl.load(dstates + i_c * HV * K * V + state_kv, mask=state_mask, other=0.0).to(tl.float32)
 
-        Ut = tl.dot(b_vt, b_ibt, input_precision=DOT_PRECISION)
-        Ut -= _mm(St, b_wt, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        dUt = tl.dot(b_dot, b_M, input_precision=DOT_PRECISION)
-        dUt += _mm(dSt, b_krt, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        tl.store(dv + io_t, tl.dot(dUt, b_ib, input_precision=DOT_PRECISION).to(dv.dtype.element_ty), mask=io_mask)
-        # The sums over V, transposed ([BK, 16]), in float32 operands at DOT_PRECISION: they feed
-        # every q, k and gate gradient, and the state's bf16 rounding would be their largest error.
-        S = tl.trans(St)
-        d_qdt = tl.dot(S, b_dot, input_precision=DOT_PRECISION)
-        d_wt = -tl.dot(S, dUt, input_precision=DOT_PRECISION)
-        d_krt = tl.dot(tl.trans(dSt), Ut, input_precision=DOT_PRECISION)
-        d_gamma = tl.sum(St * dSt, axis=0)
-        d_M = tl.dot(tl.trans(b_dot), Ut, input_precision=DOT_PRECISION)
-        d_ib = tl.dot(tl.trans(dUt), b_vt, input_precision=DOT_PRECISION)
-        if SPLIT_V:
-            tl.atomic_add(d_operands + ws * ROWS * BK + tile_t, d_qdt)
-            tl.atomic_add(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
-            tl.atomic_add(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
-            tl.atomic_add(d_squares + ws * ROWS * ROWS + square, d_M)
-            tl.atomic_add(d_squares + square_plane + ws * ROWS * ROWS + square, d_ib)
-            tl.atomic_add(d_gamma_out + ws * BK + rows_k, d_gamma)
-        else:
-            tl.store(d_operands + ws * ROWS * BK + tile_t, d_qdt)
-            tl.store(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
-            tl.store(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
-            tl.store(d_squares + ws * ROWS * ROWS + square, d_M)
-            tl.store(d_squares + square_plane + ws * ROWS * ROWS + square, d_ib)
-            tl.store(d_gamma_out + ws * BK + rows_k, d_gamma)
-        # the forward's step to the next chunk's state
-        b_gamma = tl.load(gamma + ws * BK + rows_k)
-        St = St * b_gamma[None, :] + _mm(Ut, tl.load(k_restored + ws * ROWS * BK + tile), MIXED, operand_dtype,
-                                         DOT_PRECISION, INTERPRET)  # fmt: skip
+        U = tl.dot(b_ib, b_v, input_precision=DOT_PRECISION) - _mm(
+            b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        )
+        dU = tl.dot(tl.trans(b_M), b_do, input_precision=DOT_PRECISION) + _mm(
+            b_kr, dS, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+        )
+        tl.store(dv + io, tl.dot(tl.trans(b_ib), dU, input_precision=DOT_PRECISION).to(dv.dtype.element_ty),
+                 mask=io_mask)  # fmt: skip
+        d_qdt += _mm(S, tl.trans(b_do), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_wt -= _mm(S, tl.trans(dU), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_krt += _mm(dS, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_gamma += tl.sum(S * dS, axis=1)
+        # The 16 x 16 products on the CUDA cores: as tl.dot they would pull the dots they chain
+        # with into their own warp layout, which replicates 16-row tiles across the warps.
+        d_M += tl.sum(b_do[:, None, :] * U[None, :, :], axis=2)
+        d_ib += tl.sum(dU[:, None, :] * b_v[None, :, :], axis=2)
+
+    # [3, NC, HV, 16, BK] operand gradients (Q~, w, K^), [2, NC, HV, 16, 16] (M, inverse_beta), [NC, HV, BK]
+    plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
+    tl.store(d_operands + ws * ROWS * BK + tile_t, d_qdt)
+    tl.store(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
+    tl.store(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
+    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
+    tl.store(d_squares + ws * ROWS * ROWS + square, d_M)
+    tl.store(d_squares + square_plane + ws * ROWS * ROWS + square, d_ib)
+    tl.store(d_gamma_out + ws * BK + rows_k, d_gamma)
 
 
 @triton.autotune(
@@ -290,18 +295,6 @@ def chunk_input_grads_kernel(
     tl.store(dk + io_qk, dk_hat.to(dk.dtype.element_ty), mask=mask)
 
 
-STATE_SLICE_VALUES = 128 * 128  # float32 values of S^T a program holds: 64 registers a thread at 8 warps
-
-
-def state_slice(V: int, BK: int) -> int:
-    """Rows of S^T per program of :func:`chunk_state_grads_kernel`: all of V when the slice fits
-    STATE_SLICE_VALUES (every head dim up to 128), else the largest power of two that does."""
-    BV = max(triton.next_power_of_2(V), CHUNK)
-    while BV * BK > STATE_SLICE_VALUES and BV > CHUNK:
-        BV //= 2
-    return BV
-
-
 def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                 dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
     """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
@@ -310,19 +303,15 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     them). Between the two, float32 scratch holds the operand gradients (7 x 16 x BK + 512
     values per chunk and value head)."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
-    BV = state_slice(p.V, BK)
-    split_v = BV < p.V
-    new = p.q.new_zeros if split_v else p.q.new_empty  # slices add into zeros
-    d_operands = new(3, NC, HV, CHUNK, BK, dtype=torch.float32)
-    d_squares = new(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
-    d_gamma = new(NC, HV, BK, dtype=torch.float32)
-    rows = tables.checkpoint_seq.shape[0]
-    chunk_state_grads_kernel[(rows, HV, triton.cdiv(p.V, BV))](
-        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.checkpoint_offsets, tables.checkpoint_seq,
+    d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
+    d_squares = p.q.new_empty(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
+    d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
+    chunk_state_grads_kernel[(NC, HV)](
+        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
         ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         checkpoints, dstates,
         grads["v"], d_operands, d_squares, d_gamma,
-        NC, HV, p.K, p.V, BK=BK, BV=BV, SPLIT_V=split_v,
+        HV, p.K, p.V, BK=BK,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]

@@ -54,8 +54,7 @@ class ChunkTables:
     each sequence; ``chunk_seq [NC]``: sequence of each chunk; ``seq_order [N*H]``: the
     (sequence, head) pairs as ``n * H + h``, longest sequence first (the CUDA recurrence's
     schedule: the longest chains start first, short ones fill in behind);
-    ``checkpoint_offsets [N+1]``: first checkpoint row of each sequence and ``checkpoint_seq
-    [rows]``: the sequence of each checkpoint row (training). All int64.
+    ``checkpoint_offsets [N+1]``: first checkpoint row of each sequence (training). All int64.
     ``addresses``: the first four tables' device addresses in that order (the CUDA launch's).
     """
 
@@ -64,7 +63,6 @@ class ChunkTables:
     chunk_seq: torch.Tensor
     seq_order: torch.Tensor
     checkpoint_offsets: torch.Tensor
-    checkpoint_seq: torch.Tensor
     num_chunks: int
     BK: int
     addresses: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -134,11 +132,9 @@ def _build_chunk_tables(p) -> ChunkTables:
     chunk_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int64), counts)
     longest = torch.argsort(lengths, descending=True, stable=True)
     seq_order = (longest[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1)
-    checkpoint_counts = (counts + CHECKPOINT_CHUNKS - 1) // CHECKPOINT_CHUNKS
     checkpoint_offsets = torch.zeros_like(offsets)
-    torch.cumsum(checkpoint_counts, 0, out=checkpoint_offsets[1:])
-    checkpoint_seq = torch.repeat_interleave(torch.arange(N, dtype=torch.int64), checkpoint_counts)
-    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets, checkpoint_seq])
+    torch.cumsum((counts + CHECKPOINT_CHUNKS - 1) // CHECKPOINT_CHUNKS, 0, out=checkpoint_offsets[1:])
+    packed = torch.cat([offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets])
     packed = packed.to(p.q.device)  # blocking: see chunk_tables
     order_end = 2 * N + 2 + num_chunks + N * p.H
     return ChunkTables(
@@ -146,8 +142,7 @@ def _build_chunk_tables(p) -> ChunkTables:
         chunk_offsets=packed[N + 1 : 2 * N + 2],
         chunk_seq=packed[2 * N + 2 : 2 * N + 2 + num_chunks],
         seq_order=packed[2 * N + 2 + num_chunks : order_end],
-        checkpoint_offsets=packed[order_end : order_end + N + 1],
-        checkpoint_seq=packed[order_end + N + 1 :],
+        checkpoint_offsets=packed[order_end:],
         num_chunks=num_chunks,
         BK=max(triton.next_power_of_2(p.K), CHUNK),
     )
