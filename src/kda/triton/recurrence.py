@@ -44,6 +44,32 @@ def _mm(a, b, MIXED: tl.constexpr, OPERAND_DTYPE: tl.constexpr, DOT_PRECISION: t
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def state_slice(seq_offsets, chunk_offsets, HV, K, V, BK: tl.constexpr, BV: tl.constexpr,
+                STATE_V_FIRST: tl.constexpr):  # fmt: skip
+    """What a program of a chain over one (V slice, sequence, value head) starts from: its
+    sequence's tokens and chunks, its index vectors, and its slice of an [N, HV, ...] state in
+    the caller's layout. Returns ``(n, i_hv, bos, eos, c_first, c_end, rows, rows_k, cols_v,
+    v_ok, state_mask, state_tile)``."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    n, i_hv = i_nh // HV, i_nh % HV
+    bos = tl.load(seq_offsets + n)
+    eos = tl.load(seq_offsets + n + 1)
+    c_first = tl.load(chunk_offsets + n)
+    c_end = tl.load(chunk_offsets + n + 1)
+    rows = tl.arange(0, ROWS)
+    rows_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    v_ok = cols_v < V
+    state_mask = v_ok[:, None] & (rows_k[None, :] < K)
+    if STATE_V_FIRST:  # [N, HV, V, K]
+        state_tile = i_nh * K * V + cols_v[:, None] * K + rows_k[None, :]
+    else:  # [N, HV, K, V]
+        state_tile = i_nh * K * V + rows_k[None, :] * V + cols_v[:, None]
+    return n, i_hv, bos, eos, c_first, c_end, rows, rows_k, cols_v, v_ok, state_mask, state_tile
+
+
 STATE_REGISTERS_MAX = 128  # float32 state values per thread; past this ptxas spills and crawls
 
 
@@ -72,23 +98,9 @@ def recurrence_v_split_kernel(
     CHECKPOINT: tl.constexpr,  # 0: inference; else save the state entering every CHECKPOINT-th chunk
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(seq_offsets + n)
-    eos = tl.load(seq_offsets + n + 1)
-    c_first = tl.load(chunk_offsets + n)
-    c_end = tl.load(chunk_offsets + n + 1)
-
-    rows = tl.arange(0, ROWS)
-    rows_k = tl.arange(0, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    v_ok = cols_v < V
-    state_mask = v_ok[:, None] & (rows_k[None, :] < K)
-    if STATE_V_FIRST:  # [N, HV, V, K]
-        state_tile = i_nh * K * V + cols_v[:, None] * K + rows_k[None, :]
-    else:  # [N, HV, K, V]
-        state_tile = i_nh * K * V + rows_k[None, :] * V + cols_v[:, None]
+    n, i_hv, bos, eos, c_first, c_end, rows, rows_k, cols_v, v_ok, state_mask, state_tile = state_slice(
+        seq_offsets, chunk_offsets, HV, K, V, BK, BV, STATE_V_FIRST
+    )
 
     St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kda.triton.common import CHUNK, autotune_configs, interpreting
-from kda.triton.recurrence import _fits_in_registers, _mm
+from kda.triton.recurrence import _fits_in_registers, _mm, state_slice
 
 ROWS = tl.constexpr(CHUNK)
 
@@ -46,23 +46,9 @@ def state_grad_chain_kernel(
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(seq_offsets + n)
-    eos = tl.load(seq_offsets + n + 1)
-    c_first = tl.load(chunk_offsets + n)
-    c_end = tl.load(chunk_offsets + n + 1)
-
-    rows = tl.arange(0, ROWS)
-    rows_k = tl.arange(0, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    v_ok = cols_v < V
-    state_mask = v_ok[:, None] & (rows_k[None, :] < K)
-    if STATE_V_FIRST:  # [N, HV, V, K]
-        state_tile = i_nh * K * V + cols_v[:, None] * K + rows_k[None, :]
-    else:  # [N, HV, K, V]
-        state_tile = i_nh * K * V + rows_k[None, :] * V + cols_v[:, None]
+    n, i_hv, bos, eos, c_first, c_end, rows, rows_k, cols_v, v_ok, state_mask, state_tile = state_slice(
+        seq_offsets, chunk_offsets, HV, K, V, BK, BV, STATE_V_FIRST
+    )
     dstate_tile = i_hv * K * V + cols_v[:, None] * K + rows_k[None, :]  # [NC, HV, V, K]
 
     dSt = tl.zeros([BV, BK], dtype=tl.float32)
