@@ -490,7 +490,8 @@ def train_markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_plot(report: dict, path: Path) -> None:
+def _pyplot():
+    """matplotlib's pyplot on the file backend, or None (said once) when it is not installed."""
     try:
         import matplotlib
 
@@ -498,6 +499,13 @@ def train_plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot (pip install 'kda[bench]')")
+        return None
+    return plt
+
+
+def train_plot(report: dict, path: Path) -> None:
+    plt = _pyplot()
+    if plt is None:
         return
     cases = [r["case"] for r in report["cases"]]
     impls = list(report["cases"][0]["fwd_bwd_ms"])
@@ -557,13 +565,8 @@ def markdown_table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'kda[bench]')")
+    plt = _pyplot()
+    if plt is None:
         return
     cases = [r["case"] for r in report["cases"]]
     impls = list(report["cases"][0]["ms"])
