@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+    "ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 # On the GPU each example compiles what it has not met (Triton, without autotuning): 20 examples
 # keep a run of the whole suite within a few minutes of a lent machine.
