@@ -109,3 +109,24 @@ def test_bench_table_renders_every_section():
     for expected in ("| 1x8192 H96 | 0.240 | 0.900 | 2.600 | 0.346 | 0.534 |", "| kda-cuda | 31.0 (29.0-35.5) | 9.0 |",
                      "| kda-cuda | 0.900 | 0.950 |", "| kda-cuda | kda_recurrence | 0.600 |"):  # fmt: skip
         assert expected in table, table
+
+
+def test_importing_kda_leaves_triton_and_dynamo_unimported():
+    """``import kda`` imports neither Triton nor torch._dynamo (which imports Triton): Triton
+    reads TRITON_INTERPRET when it is imported, and the CLI sets it after importing kda."""
+    code = "import sys, kda; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CLI sets TRITON_INTERPRET only where no GPU is visible")
+def test_cli_compare_sets_the_interpreter_itself():
+    """`kda compare` from a shell without TRITON_INTERPRET (the README's command on a CPU machine)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "kda", "compare", "--T", "20", "--H", "1", "--D", "16"],
+                         capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "| triton |" in res.stdout, res.stdout

@@ -101,12 +101,18 @@ def record_dispatch() -> Iterator[list[str]]:
         _recorders.remove(events)
 
 
-@torch._dynamo.assume_constant_result
 def _traced_availability(name: str) -> str:
     """:meth:`Backend.availability` ("" when available) for a call that torch.compile traces:
     run once at trace time and taken as a constant, because the checks import modules and read
     files, which dynamo does not trace."""
     return get_backend(name).availability() or ""
+
+
+# torch.compiler.assume_constant_result(fn) sets this attribute on fn and does nothing else
+# (torch 2.4 to 2.13); set here, it spares `import kda` an import of torch._dynamo, which
+# imports Triton before a caller (kda's CLI) may have set TRITON_INTERPRET. Tested: a
+# torch.compile(fullgraph=True) of a model calling kda would fail on a graph break without it.
+_traced_availability._dynamo_marked_constant = True
 
 
 def refusal(backend: Backend, problem: Problem) -> str | None:
