@@ -19,7 +19,7 @@ trap save_autotune EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-# steps: all, or one of cuda / quick / bench / train / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / bench / train / trainprof / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -84,7 +84,15 @@ if [[ $step == *profile* ]]; then
     done
   fi
 fi
-if [[ $step == *train* ]]; then  # fwd+bwd against fla (kda bench --train)
+if [[ $step == *trainprof* ]]; then  # the training kernels alone: split, configs, registers; ncu of the two local-gradient kernels
+  timeout 200 python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} > "$OUT/train-profile.log" 2>&1; cat "$OUT/train-profile.log" | tail -40
+  timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+    --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats \
+    python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ncu > "$OUT/ncu-train.log" 2>&1
+  grep -E "_kernel|Duration|Throughput|Occupancy|Registers|Warp Cycles|Eligible|Issued|Local|Stall|spill" "$OUT/ncu-train.log" | head -80
+fi
+if [[ " $step " == *" train "* ]]; then  # fwd+bwd against fla (kda bench --train)
   timeout ${TRAIN_TIMEOUT:-400} python3 -m kda bench --train --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench-train.log" 2>&1; tail -40 "$OUT/bench-train.log"
 fi
 if [[ $step == all || $step == *bench* ]]; then

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 import kda
+import kda.cuda
 from kda import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# GPU tests of the CUDA backend: skipped, with the reason, where its kernels are not built.
+cuda_ready = pytest.mark.skipif(
+    not torch.cuda.is_available() or kda.cuda._static_availability() is not None,
+    reason=f"CUDA backend unavailable: {kda.cuda._static_availability() if torch.cuda.is_available() else 'no GPU'}",
+)
 
 
 @dataclasses.dataclass

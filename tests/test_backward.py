@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kda
-from helpers import DEVICE, fp64_gradients, gradients, make_case, rel
+from helpers import DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -25,18 +25,40 @@ FP32_BAR = 1e-4  # every gradient's relative RMS against fp64, float32 inputs (t
 TINY = 1e-30  # gradient magnitude below which a relative error is measured against this instead
 
 
-def assert_gradients_close(got: dict, ref: dict, tol: float, what: str = "") -> None:
+def assert_gradients_close(got: dict, ref: dict, tol: float | dict, what: str = "") -> None:
+    """Every gradient of ``got`` within ``tol`` (one bar, or one per gradient name) of ``ref``."""
     assert got.keys() == ref.keys(), (sorted(got), sorted(ref))
     for name, g in got.items():
+        bar = tol[name] if isinstance(tol, dict) else tol
         assert g is not None, f"{what}{name}: no gradient"
         assert g.shape == ref[name].shape, f"{what}{name}: shape {list(g.shape)} vs {list(ref[name].shape)}"
         assert torch.isfinite(g).all(), f"{what}{name}: non-finite gradient"
         # Relative to the reference, but never to less than TINY per element: a gradient whose
         # every entry is ~1e-34 (one token decayed by e^-80 and more) is formed from factors
         # like exp(-108) that float32 cannot hold, so its relative error says nothing.
-        diff, ref64 = (g.double() - ref[name].double()).norm().item(), ref[name].double().norm().item()
+        g, r = g.double().cpu(), ref[name].double().cpu()  # the fp64 reference may live on the CPU
+        diff, ref64 = (g - r).norm().item(), r.norm().item()
         err = diff / max(ref64, TINY * max(ref[name].numel(), 1) ** 0.5)
-        assert err <= tol, f"{what}{name}: relative RMS {err:.3e} > {tol:.1e} (reference norm {ref64:.2e})"
+        assert err <= bar, f"{what}{name}: relative RMS {err:.3e} > {bar:.1e} (reference norm {ref64:.2e})"
+
+
+SHARED = ("A_log", "dt_bias")  # parameters every token shares: their gradients are sums over tokens
+
+
+def fp32_bars(case, ref: dict, **kw) -> dict:
+    """FP32_BAR for every gradient, except where float32 itself cannot form a shared
+    parameter's gradient to it: A_log's gradient is one number per head, a sum over every
+    token and key that can cancel to 1e-3 of its terms (seen on the H200, 2026-12-01: the
+    softplus gate, 53 tokens, dA_log -5.7e-3, where the torch reference in float32 missed by
+    1.2e-3 and the interpreter's Triton by 7.6e-4). There the bar is twice the error of the
+    torch chunk form run in float32 on the same inputs, when that error passes FP32_BAR."""
+    bars = dict.fromkeys(ref, FP32_BAR)
+    if any(name in ref for name in SHARED):
+        plain = gradients(case.to(torch.float32), "torch", **kw)
+        for name in SHARED:
+            if name in ref:
+                bars[name] = max(FP32_BAR, 2 * rel(plain[name].double(), ref[name].double().cpu()))
+    return bars
 
 
 @given(
@@ -52,6 +74,9 @@ def assert_gradients_close(got: dict, ref: dict, tol: float, what: str = "") -> 
     final_state=st.sampled_from(["grad", "no_grad", "not_returned"]),
     seed=st.integers(0, 9999),
 )
+# dA_log cancels to 1e-3 of its terms here (H200, 2026-12-01): fp32_bars
+@example(lens=[20, 22, 11], gate="softplus", K=16, V=32, group=1, layout=False, l2norm=False, beta_form="sigmoid",
+         with_state=False, final_state="no_grad", seed=153)  # fmt: skip
 def test_triton_gradients_match_fp64(lens, gate, K, V, group, layout, l2norm, beta_form, with_state, final_state, seed):
     """float32 inputs: every gradient within 1e-4 of fp64 autograd of the token loop."""
     case = make_case(seq_lens=lens, H=1, HV=group, K=K, V=V, gate=gate, state_v_first=layout, with_state=with_state,
@@ -67,7 +92,8 @@ def test_triton_gradients_match_fp64(lens, gate, K, V, group, layout, l2norm, be
     else:
         over["allow_neg_eigval"] = beta_form == "neg_eigval"
     kw = dict(final_state_grad=final_state == "grad", seed=seed, **over)
-    assert_gradients_close(gradients(case, "triton", **kw), fp64_gradients(case, **kw), FP32_BAR)
+    ref = fp64_gradients(case, **kw)
+    assert_gradients_close(gradients(case, "triton", **kw), ref, fp32_bars(case, ref, **kw))
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -298,7 +324,7 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
     (equal to the token loop's to 1e-15: tests/test_reference.py)."""
     case = make_case(T=T, H=H, HV=H * group, K=D, V=D, gate=gate, state_v_first=layout, device="cuda", seed=seed)
     ref = gradients(case.to(torch.float64), "torch")
-    assert_gradients_close(gradients(case, "triton"), ref, FP32_BAR)
+    assert_gradients_close(gradients(case, "triton"), ref, fp32_bars(case, ref))
 
 
 @pytest.mark.gpu
@@ -326,6 +352,7 @@ def test_gpu_bf16_gradients_no_worse_than_fla(lens):
 
 
 @pytest.mark.gpu
+@cuda_ready
 def test_gpu_cuda_backend_refuses_training_and_auto_trains_on_triton():
     case = make_case(T=64, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=15)
     q = case.q.clone().requires_grad_()

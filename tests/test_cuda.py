@@ -21,6 +21,7 @@ from helpers import (
     assert_close_fp64,
     assert_graph_replays_eager,
     assert_strictly_causal,
+    cuda_ready,
     fp64_reference,
     make_case,
     rel,
@@ -220,11 +221,6 @@ def test_kda_cuda_off_switch(switches):
 
 
 # ----------------------------------------------------------------------------- GPU only
-
-cuda_ready = pytest.mark.skipif(
-    not torch.cuda.is_available() or kda.cuda._static_availability() is not None,
-    reason=f"CUDA backend unavailable: {kda.cuda._static_availability() if torch.cuda.is_available() else 'no GPU'}",
-)
 
 
 @pytest.fixture

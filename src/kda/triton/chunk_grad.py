@@ -9,15 +9,17 @@ leaving it (``reference.recurrence_step_backward``):
   between with the prepare stage's operands (the forward recurrence's own step);
 - dS_next comes from the reverse chain (``state_grad.py``).
 
-Per slice: ``U = inverse_beta V - w S``, ``dU = M^T dO + K^ dS_next``, ``dV = inverse_beta^T
-dU`` (stored), and the slice's share of the products summed over V: ``dQ~ = dO S^T``,
-``dw = -dU S^T``, ``dK^ = U dS_next^T``, ``dM = dO U^T``, ``d inverse_beta = dU V^T`` and
-``dgamma = rowsum(S * dS_next)``.
+Per slice: ``U = inverse_beta V - w S``, ``dU = M^T dO + K^ dS_next`` (stored), and the
+slice's share of the products with a state summed over V: ``dQ~ = dO S^T``, ``dw = -dU S^T``,
+``dK^ = U dS_next^T`` and ``dgamma = rowsum(S * dS_next)``.
 
 It writes them to float32 scratch. :func:`chunk_input_grads_kernel`, one program per (chunk,
 q/k head) looping over the value heads that share it (GVA: their dq, dk are summed in
-registers), recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``) and
-runs it backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
+registers), recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``),
+forms the products of dU that need no state, ``dV = inverse_beta^T dU``, ``d inverse_beta =
+dU V^T`` and ``dM = dO U^T = (dO V^T) inverse_beta^T - dQ~ w^T`` (U's two terms, so U is
+never stored), and runs the prepare stage backwards (``reference.prepare_chunk_backward``):
+through w and the inverse to dA,
 through A and M to k, q and the decay (factored as in the forward where the gate keeps the
 exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
 in-kernel activations (gate, beta sigmoid, l2norm) to the raw inputs. dA_log and dt_bias,
@@ -26,6 +28,10 @@ shared by every token, get per-chunk partial sums that the launcher adds up.
 Why two kernels: in one, the V slices' accumulators and the prepare stage's recomputed
 operands (a dozen 16 x K float32 tiles) were live together and spilled about 1 KB a thread
 (ptxas, sm_90); it ran at 5.3 ms of a 6.9 ms training step on 1x8192 H32 (H200, 2026-12-01).
+Why the 16 x 16 products of dU moved out of the state kernel: formed there on the CUDA cores
+(a tl.dot would pull the chained dots into a layout that replicates 16-row tiles across
+warps) each took a [16, 16, BV] temporary, and the kernel ran at 255 registers, 12.5%
+occupancy (ncu, H200, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from kda.triton.prepare import EXP2_LIMIT, _row, chunk_operands, chunk_position,
 from kda.triton.recurrence import _mm
 
 ROWS = tl.constexpr(CHUNK)
+DU_SLICE = 64  # V columns of dU, V and dO the prepare-backwards kernel holds at once
 
 
 @triton.jit
@@ -85,7 +92,9 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
 
 
 @triton.autotune(
-    configs=autotune_configs([{"BV": 32}, {"BV": 64}], warps=(4, 8), stages=(1,)),
+    configs=autotune_configs(
+        [{"BV": 32}, {"BV": 64}, {"BV": 32, "maxnreg": 128}, {"BV": 64, "maxnreg": 168}], warps=(4, 8), stages=(1,)
+    ),
     key=["BK", "V", "MIXED"],
 )
 @triton.jit
@@ -93,12 +102,12 @@ def chunk_state_grads_kernel(
     v, do, seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
     w, k_restored, gamma, inverse_beta, M,
     checkpoints, dstates,
-    dv, d_operands, d_squares, d_gamma_out,
+    d_u, d_operands, d_gamma_out,
     HV, K, V,
     BK: tl.constexpr, BV: tl.constexpr,
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, CHECKPOINT: tl.constexpr,
 ):  # fmt: skip
-    """The V slices of one (chunk, value head): dV, and the products with S and dS_next summed
+    """The V slices of one (chunk, value head): dU, and the products with S and dS_next summed
     over V. The big ones are formed transposed, ``[K, 16] = [K, BV] @ [BV, 16]``, so that the
     state slice is the left operand and the warps split K (a 16-row result would be replicated
     across them)."""
@@ -127,8 +136,6 @@ def chunk_state_grads_kernel(
     d_wt = tl.zeros([BK, ROWS], dtype=tl.float32)
     d_krt = tl.zeros([BK, ROWS], dtype=tl.float32)
     d_gamma = tl.zeros([BK], dtype=tl.float32)
-    d_M = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-    d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
     for i_v in tl.range(0, tl.cdiv(V, BV)):
         cols_v = i_v * BV + tl.arange(0, BV)
         v_ok = cols_v < V
@@ -158,41 +165,33 @@ def chunk_state_grads_kernel(
         dU = tl.dot(tl.trans(b_M), b_do, input_precision=DOT_PRECISION) + _mm(
             b_kr, dS, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
         )
-        tl.store(dv + io, tl.dot(tl.trans(b_ib), dU, input_precision=DOT_PRECISION).to(dv.dtype.element_ty),
-                 mask=io_mask)  # fmt: skip
+        tl.store(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], dU, mask=v_ok[None, :])
         d_qdt += _mm(S, tl.trans(b_do), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         d_wt -= _mm(S, tl.trans(dU), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         d_krt += _mm(dS, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         d_gamma += tl.sum(S * dS, axis=1)
-        # The 16 x 16 products on the CUDA cores: as tl.dot they would pull the dots they chain
-        # with into their own warp layout, which replicates 16-row tiles across the warps.
-        d_M += tl.sum(b_do[:, None, :] * U[None, :, :], axis=2)
-        d_ib += tl.sum(dU[:, None, :] * b_v[None, :, :], axis=2)
 
-    # [3, NC, HV, 16, BK] operand gradients (Q~, w, K^), [2, NC, HV, 16, 16] (M, inverse_beta), [NC, HV, BK]
+    # [3, NC, HV, 16, BK] operand gradients (Q~, w, K^), [NC, HV, BK] gamma's
     plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
     tl.store(d_operands + ws * ROWS * BK + tile_t, d_qdt)
     tl.store(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
     tl.store(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
-    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
-    tl.store(d_squares + ws * ROWS * ROWS + square, d_M)
-    tl.store(d_squares + square_plane + ws * ROWS * ROWS + square, d_ib)
     tl.store(d_gamma_out + ws * BK + rows_k, d_gamma)
 
 
 @triton.autotune(
-    configs=autotune_configs([{}], warps=(4, 8), stages=(1,)),
-    key=["BK", "GATE", "SAFE"],
+    configs=autotune_configs([{}, {"maxnreg": 168}], warps=(8, 4, 16), stages=(1,)),
+    key=["BK", "BV", "GATE", "SAFE"],
 )
 @triton.jit
 def chunk_input_grads_kernel(
-    q, k, g, beta, A_log, dt_bias,
+    q, k, v, g, beta, A_log, dt_bias, do,
     seq_offsets, chunk_offsets, chunk_seq,
-    d_operands, d_squares, d_gamma_in,
-    dq, dk, dg, dbeta, dA_log_part, ddt_bias_part,
+    d_operands, d_u, d_gamma_in,
+    dq, dk, dv, dg, dbeta, dA_log_part, ddt_bias_part,
     scale, lower_bound, beta_scale,
-    H, HV, K,
-    BK: tl.constexpr,
+    H, HV, K, V,
+    BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -209,10 +208,8 @@ def chunk_input_grads_kernel(
     row_ok = tok < eos
     k_ok = rows_k < K
     mask = row_ok[:, None] & k_ok[None, :]
-    square = rows[:, None] * ROWS + rows[None, :]
     tile = rows[:, None] * BK + rows_k[None, :]
     plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
-    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
     group = HV // H
 
     b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
@@ -225,11 +222,27 @@ def chunk_input_grads_kernel(
             g, beta, A_log, dt_bias, tok, row_ok, rows_k, k_ok, i_hv, HV, K, lower_bound, beta_scale,
             GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
         )  # fmt: skip
-        G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, _, any_far = chunk_operands(
+        G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
             b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
         )
+        # dU's products over V: dV = inverse_beta^T dU (stored), d inverse_beta = dU V^T, and
+        # dO V^T for dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T
+        d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        do_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        for i_v in tl.range(0, tl.cdiv(V, BV)):
+            cols_v = i_v * BV + tl.arange(0, BV)
+            v_ok = cols_v < V
+            io_mask = row_ok[:, None] & v_ok[None, :]
+            io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
+            b_vt = tl.trans(tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32))
+            b_du = tl.load(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
+            d_ib += tl.dot(b_du, b_vt, input_precision=DOT_PRECISION)
+            do_vt += tl.dot(tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32), b_vt,
+                            input_precision=DOT_PRECISION)  # fmt: skip
+            tl.store(dv + io, tl.dot(tl.trans(b_ib), b_du, input_precision=DOT_PRECISION).to(dv.dtype.element_ty),
+                     mask=io_mask)  # fmt: skip
+        d_qd = tl.load(d_operands + ws * ROWS * BK + tile)
         d_w = tl.load(d_operands + plane + ws * ROWS * BK + tile)
-        d_ib = tl.load(d_squares + square_plane + ws * ROWS * ROWS + square)
         # w = inverse_beta K~; inverse_beta = T Diag(beta); A = Diag(beta) A_unit; dA = -T^T dT T^T
         d_ib += tl.dot(d_w, tl.trans(b_kd), input_precision=DOT_PRECISION)
         d_kd = tl.dot(tl.trans(b_ib), d_w, input_precision=DOT_PRECISION)
@@ -241,7 +254,8 @@ def chunk_input_grads_kernel(
         dAu = dA * b_beta[:, None]
         # M's diagonal (exp(G_i - G_i) = 1) has no decay to differentiate: split off, it adds to q
         # and k alone, and the exponents' shares below cancel nothing on it.
-        d_M = tl.load(d_squares + ws * ROWS * ROWS + square)
+        d_M = tl.dot(do_vt, tl.trans(b_ib), input_precision=DOT_PRECISION)
+        d_M -= tl.dot(d_qd, tl.trans(b_w), input_precision=DOT_PRECISION)
         d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], d_M, 0.0), axis=1) * scale
         d_M = tl.where(rows[:, None] > rows[None, :], d_M, 0.0)
         if SAFE:
@@ -252,7 +266,6 @@ def chunk_input_grads_kernel(
             dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
 
         decay = tl.exp2(G2)
-        d_qd = tl.load(d_operands + ws * ROWS * BK + tile)
         d_kr = tl.load(d_operands + 2 * plane + ws * ROWS * BK + tile)
         dq_hat += scale * decay * d_qd + dq_pair + d_M_diag[:, None] * b_k
         dk_hat += decay * d_kd + tl.exp2(G2_last[None, :] - G2) * d_kr + dk_pair + d_M_diag[:, None] * b_q
@@ -300,28 +313,28 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
     backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
     shapes, and the per-chunk partials dA_log [NC, HV], dt_bias [NC, HV, K] where the gate has
-    them). Between the two, float32 scratch holds the operand gradients (7 x 16 x BK + 512
-    values per chunk and value head)."""
+    them). Between the two, float32 scratch holds the operand gradients and dU (3 x 16 x BK +
+    16 x V + BK values per chunk and value head)."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
-    d_squares = p.q.new_empty(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
+    d_u = p.q.new_empty(NC, HV, CHUNK, p.V, dtype=torch.float32)
     d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
     chunk_state_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
         ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         checkpoints, dstates,
-        grads["v"], d_operands, d_squares, d_gamma,
+        d_u, d_operands, d_gamma,
         HV, p.K, p.V, BK=BK,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     chunk_input_grads_kernel[(NC, p.H)](
-        p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
+        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, do,
         tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
-        d_operands, d_squares, d_gamma,
-        grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
+        d_operands, d_u, d_gamma,
+        grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.H, HV, p.K, BK=BK,
+        p.H, HV, p.K, p.V, BK=BK, BV=min(triton.next_power_of_2(p.V), DU_SLICE),
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=gate == 1 and p.lower_bound >= -5.0,
         DOT_PRECISION=dot_precision,

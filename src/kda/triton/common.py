@@ -39,11 +39,17 @@ def interpreting() -> bool:
 def autotune_configs(params: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]) -> list[triton.Config]:
     """Every combination of ``params`` x warps x stages. Only the first (the first listed
     value of each) under the interpreter, which cannot time kernels, or with
-    ``KDA_TRITON_AUTOTUNE=0`` (test runs that would otherwise tune dozens of shapes)."""
+    ``KDA_TRITON_AUTOTUNE=0`` (test runs that would otherwise tune dozens of shapes). A
+    ``maxnreg`` key of a params dict caps ptxas' registers per thread for that config."""
     combos = list(itertools.product(params, warps, stages))
     if interpreting() or os.environ.get("KDA_TRITON_AUTOTUNE", "1") == "0":
         combos = combos[:1]
-    return [triton.Config(dict(kw), num_warps=nw, num_stages=ns) for kw, nw, ns in combos]
+    configs = []
+    for kw, nw, ns in combos:
+        kw = dict(kw)
+        maxnreg = kw.pop("maxnreg", None)
+        configs.append(triton.Config(kw, num_warps=nw, num_stages=ns, maxnreg=maxnreg))
+    return configs
 
 
 @dataclass
