@@ -1,4 +1,4 @@
-"""Backward stage 2: every chunk's local gradients, token-parallel, in two kernels.
+"""Backward stage 2: every chunk's local gradients, token-parallel, in three kernels.
 
 :func:`chunk_state_grads_kernel`, one program per (chunk, value head), runs the V dimension in
 slices, which needs the state S entering the chunk and the gradient dS_next of the state
@@ -13,25 +13,27 @@ Per slice: ``U = inverse_beta V - w S``, ``dU = M^T dO + K^ dS_next`` (stored), 
 slice's share of the products with a state summed over V: ``dQ~ = dO S^T``, ``dw = -dU S^T``,
 ``dK^ = U dS_next^T`` and ``dgamma = rowsum(S * dS_next)``.
 
-It writes them to float32 scratch. :func:`chunk_input_grads_kernel`, one program per (chunk,
-q/k head) looping over the value heads that share it (GVA: their dq, dk are summed in
-registers), recomputes the chunk's prepare stage in float32 (``prepare.chunk_operands``),
-forms the products of dU that need no state, ``dV = inverse_beta^T dU``, ``d inverse_beta =
-dU V^T`` and ``dM = dO U^T = (dO V^T) inverse_beta^T - dQ~ w^T`` (U's two terms, so U is
-never stored), and runs the prepare stage backwards (``reference.prepare_chunk_backward``):
-through w and the inverse to dA,
+It writes them to float32 scratch. :func:`chunk_du_grads_kernel`, per (chunk, value head),
+forms the products of dU that need no state: ``dV = inverse_beta^T dU`` (stored), ``dU V^T``
+and ``dO V^T``. :func:`chunk_input_grads_kernel`, one program per (chunk, q/k head) looping
+over the value heads that share it (GVA: their dq, dk are summed in registers), recomputes
+the chunk's prepare stage in float32 (``prepare.chunk_operands``), takes ``dM = dO U^T = (dO
+V^T) inverse_beta^T - dQ~ w^T`` (U's two terms, so U is never stored) and runs the prepare
+stage backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
 through A and M to k, q and the decay (factored as in the forward where the gate keeps the
 exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
 in-kernel activations (gate, beta sigmoid, l2norm) to the raw inputs. dA_log and dt_bias,
 shared by every token, get per-chunk partial sums that the launcher adds up.
 
-Why two kernels: in one, the V slices' accumulators and the prepare stage's recomputed
-operands (a dozen 16 x K float32 tiles) were live together and spilled about 1 KB a thread
-(ptxas, sm_90); it ran at 5.3 ms of a 6.9 ms training step on 1x8192 H32 (H200, 2026-12-01).
-Why the 16 x 16 products of dU moved out of the state kernel: formed there on the CUDA cores
-(a tl.dot would pull the chained dots into a layout that replicates 16-row tiles across
-warps) each took a [16, 16, BV] temporary, and the kernel ran at 255 registers, 12.5%
-occupancy (ncu, H200, 2026-12-01).
+Why the prepare stage's backward is a kernel of its own: in one with the V slices, their
+accumulators and the prepare stage's recomputed operands (a dozen 16 x K float32 tiles) were
+live together and spilled about 1 KB a thread (ptxas, sm_90); it ran at 5.3 ms of a 6.9 ms
+training step on 1x8192 H32 (H200, 2026-12-01). Why the 16 x 16 products of dU left the state
+kernel: formed there on the CUDA cores (a tl.dot would pull the chained dots into a layout
+that replicates 16-row tiles across warps) each took a [16, 16, BV] temporary; that kernel
+took 2.91 ms at 255 registers and 12.5% occupancy, 1.57 ms without them (ncu and the torch
+profiler, H200, 2026-12-01). In the prepare-backwards kernel they cost it 0.6 ms more in
+spills, so they have a small kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kda.triton.prepare import EXP2_LIMIT, _row, chunk_operands, chunk_position,
 from kda.triton.recurrence import _mm
 
 ROWS = tl.constexpr(CHUNK)
-DU_SLICE = 64  # V columns of dU, V and dO the prepare-backwards kernel holds at once
+DU_SLICE = 64  # V columns of dU, V and dO chunk_du_grads_kernel holds at once
 
 
 @triton.jit
@@ -179,19 +181,51 @@ def chunk_state_grads_kernel(
     tl.store(d_gamma_out + ws * BK + rows_k, d_gamma)
 
 
+@triton.autotune(configs=autotune_configs([{}], warps=(4, 2), stages=(1,)), key=["BV"])
+@triton.jit
+def chunk_du_grads_kernel(
+    v, do, seq_offsets, chunk_offsets, chunk_seq, inverse_beta, d_u, dv, d_squares, HV, V, BV: tl.constexpr
+):
+    """dU's products over V that need no state, one (chunk, value head): ``dV = inverse_beta^T
+    dU`` (stored), ``dU V^T`` and ``dO V^T`` (to ``d_squares`` [2, NC, HV, 16, 16])."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    rows = tl.arange(0, ROWS)
+    tok = t0 + rows
+    row_ok = tok < eos
+    ws = i_c * HV + i_hv
+    square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
+    b_ibt = tl.trans(tl.load(inverse_beta + square))
+    du_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    do_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    for i_v in tl.range(0, tl.cdiv(V, BV)):
+        cols_v = i_v * BV + tl.arange(0, BV)
+        v_ok = cols_v < V
+        io_mask = row_ok[:, None] & v_ok[None, :]
+        io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
+        b_vt = tl.trans(tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32))
+        b_du = tl.load(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
+        du_vt += tl.dot(b_du, b_vt, input_precision="ieee")
+        do_vt += tl.dot(tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32), b_vt, input_precision="ieee")
+        tl.store(dv + io, tl.dot(b_ibt, b_du, input_precision="ieee").to(dv.dtype.element_ty), mask=io_mask)
+    tl.store(d_squares + square, du_vt)
+    tl.store(d_squares + tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS + square, do_vt)
+
+
 @triton.autotune(
-    configs=autotune_configs([{}, {"maxnreg": 168}], warps=(8, 4, 16), stages=(1,)),
-    key=["BK", "BV", "GATE", "SAFE"],
+    configs=autotune_configs([{}], warps=(8, 4, 16), stages=(1,)),
+    key=["BK", "GATE", "SAFE"],
 )
 @triton.jit
 def chunk_input_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, do,
+    q, k, g, beta, A_log, dt_bias,
     seq_offsets, chunk_offsets, chunk_seq,
-    d_operands, d_u, d_gamma_in,
-    dq, dk, dv, dg, dbeta, dA_log_part, ddt_bias_part,
+    d_operands, d_squares, d_gamma_in,
+    dq, dk, dg, dbeta, dA_log_part, ddt_bias_part,
     scale, lower_bound, beta_scale,
-    H, HV, K, V,
-    BK: tl.constexpr, BV: tl.constexpr,
+    H, HV, K,
+    BK: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -210,6 +244,7 @@ def chunk_input_grads_kernel(
     mask = row_ok[:, None] & k_ok[None, :]
     tile = rows[:, None] * BK + rows_k[None, :]
     plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
+    square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
     group = HV // H
 
     b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
@@ -225,22 +260,11 @@ def chunk_input_grads_kernel(
         G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
             b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
         )
-        # dU's products over V: dV = inverse_beta^T dU (stored), d inverse_beta = dU V^T, and
-        # dO V^T for dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T
-        d_ib = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-        do_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-        for i_v in tl.range(0, tl.cdiv(V, BV)):
-            cols_v = i_v * BV + tl.arange(0, BV)
-            v_ok = cols_v < V
-            io_mask = row_ok[:, None] & v_ok[None, :]
-            io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
-            b_vt = tl.trans(tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32))
-            b_du = tl.load(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
-            d_ib += tl.dot(b_du, b_vt, input_precision=DOT_PRECISION)
-            do_vt += tl.dot(tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32), b_vt,
-                            input_precision=DOT_PRECISION)  # fmt: skip
-            tl.store(dv + io, tl.dot(tl.trans(b_ib), b_du, input_precision=DOT_PRECISION).to(dv.dtype.element_ty),
-                     mask=io_mask)  # fmt: skip
+        # dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T; dO V^T and
+        # dU V^T come from chunk_du_grads_kernel
+        square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
+        d_ib = tl.load(d_squares + square)
+        do_vt = tl.load(d_squares + square_plane + square)
         d_qd = tl.load(d_operands + ws * ROWS * BK + tile)
         d_w = tl.load(d_operands + plane + ws * ROWS * BK + tile)
         # w = inverse_beta K~; inverse_beta = T Diag(beta); A = Diag(beta) A_unit; dA = -T^T dT T^T
@@ -318,6 +342,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
     d_u = p.q.new_empty(NC, HV, CHUNK, p.V, dtype=torch.float32)
+    d_squares = p.q.new_empty(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
     d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
     chunk_state_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
@@ -327,14 +352,18 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
         HV, p.K, p.V, BK=BK,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
     )  # fmt: skip
+    chunk_du_grads_kernel[(NC, HV)](
+        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"], d_u, grads["v"],
+        d_squares, HV, p.V, BV=min(triton.next_power_of_2(p.V), DU_SLICE),
+    )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     chunk_input_grads_kernel[(NC, p.H)](
-        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, do,
+        p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
         tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
-        d_operands, d_u, d_gamma,
-        grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
+        d_operands, d_squares, d_gamma,
+        grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.H, HV, p.K, p.V, BK=BK, BV=min(triton.next_power_of_2(p.V), DU_SLICE),
+        p.H, HV, p.K, BK=BK,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=gate == 1 and p.lower_bound >= -5.0,
         DOT_PRECISION=dot_precision,
