@@ -12,6 +12,9 @@ import kda.cuda
 from kda import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The backend that runs Triton's kernels through dispatch: auto on a GPU; on CPU tensors auto
+# takes the torch backend (the interpreter is far slower), so the tests ask for Triton by name.
+AUTO = "auto" if DEVICE == "cuda" else "triton"
 
 # GPU tests of the CUDA backend: skipped, with the reason, where its kernels are not built.
 cuda_ready = pytest.mark.skipif(

@@ -91,6 +91,45 @@ def test_cli_compare_varlen_fp32():
     assert "| torch |" in res.stdout
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--T", "0"], "argument --T: expected a positive integer, got 0"),
+        (["--seq-lens", "0,0"], "at least one length must be positive"),
+        (["--seq-lens", "3,x"], "expected comma-separated integers"),
+        (["--backends", "foo"], "unknown backend 'foo' (choose from cuda, triton, torch)"),
+        (["--seq-lens", "5,3", "--batch", "2"], "leave out --batch and --T"),
+        (["--H", "2", "--HV", "3"], "--HV must be a multiple of --H"),
+        (["--D", "300", "--T", "4", "--backends", "torch"], "head dims must be <= 256"),
+        (["--dtype", "fp8"], "argument --dtype: invalid choice"),
+    ],
+)
+def test_cli_compare_refuses_bad_arguments_in_one_line(args, says):
+    res = run_cli("compare", *args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for the CUDA backend where no GPU makes it unavailable")
+def test_cli_compare_fails_on_an_unavailable_backend_asked_for_by_name():
+    res = run_cli("compare", "--backends", "cuda", "--T", "4")
+    assert res.returncode == 1 and "| cuda |" not in res.stdout, res.stdout + res.stderr
+    assert res.stderr.strip() == "kda compare: error: backend 'cuda' is unavailable: no CUDA GPU visible to torch"
+
+
+def test_cli_version_and_closed_pipe():
+    import kda
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"kda {kda.__version__}", res.stdout + res.stderr
+    # `kda info | head -0`: the reader is gone before the first write
+    proc = subprocess.Popen([sys.executable, "-m", "kda", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Error" not in err, err
+
+
 def test_bench_table_renders_every_section():
     """The bench's Markdown (what the README shows) from a synthetic report: CPU-checkable."""
     from kda import bench

@@ -16,7 +16,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kda
-from helpers import DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
+from helpers import AUTO, DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -169,7 +169,7 @@ def test_training_calls_dispatch_and_run_the_triton_backward(caplog):
     case = make_case(T=40, H=1, K=16, V=16, device=DEVICE, seed=9)
     dispatch._logged.clear()  # each decision is logged once per process
     with caplog.at_level(logging.INFO, logger="kda"), kda.record_dispatch() as events:
-        gradients(case, "auto")
+        gradients(case, AUTO)
     assert events[:3] == ["chunk_kda -> triton (forward and backward)", "triton:prepare_chunks",
                           "triton:recurrence_v_split"]  # fmt: skip
     assert events[3:] == ["chunk_kda backward -> triton", "triton:prepare_chunks", "triton:state_grad_chain",
@@ -181,11 +181,11 @@ def test_inference_calls_save_no_checkpoints():
     """Without grads the forward takes the plain path: no custom op, nothing saved."""
     case = make_case(T=40, H=1, K=16, V=16, device=DEVICE, seed=10)
     with kda.record_dispatch() as events:
-        kda.chunk_kda(*case.tensors(), **case.kwargs())
+        kda.chunk_kda(*case.tensors(), backend=AUTO, **case.kwargs())
     assert events[0] == "chunk_kda -> triton"
     with torch.no_grad(), kda.record_dispatch() as events:
         q = case.q.clone().requires_grad_()
-        kda.chunk_kda(q, *case.tensors()[1:], **case.kwargs())
+        kda.chunk_kda(q, *case.tensors()[1:], backend=AUTO, **case.kwargs())
     assert events[0] == "chunk_kda -> triton"
 
 

@@ -88,7 +88,10 @@ def test_params_mirror_matches_the_header():
     assert names == [name for name, _ in loader.Params._fields_]
     assert f"kParamsFields = {len(names)}" in HEADER
     flags = dict(re.findall(r"k(\w+) = 1 << (\d+)", HEADER))
-    assert sorted(int(b) for b in flags.values()) == sorted(v.bit_length() - 1 for v in loader.FLAGS.values())
+    # name to bit, both sides (kGateLowerBound = 1 << 0 against "gate_lower_bound": 1 << 0)
+    assert all(v == 1 << (v.bit_length() - 1) for v in loader.FLAGS.values()), loader.FLAGS
+    header_bits = {name.lower(): int(bit) for name, bit in flags.items()}
+    assert header_bits == {n.replace("_", "").lower(): v.bit_length() - 1 for n, v in loader.FLAGS.items()}
     recurrence = (SOURCES / "recurrence.cu").read_text()
     prepare = (SOURCES / "prepare.cu").read_text()
     assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
@@ -314,7 +317,8 @@ def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dt
     for buf in (o_buf, h_buf):
         assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the output"
     o_ref, ht_ref = fp64_reference(case)
-    assert_close_fp64(o, o_ref, 5e-3, "o") and assert_close_fp64(ht, ht_ref, 5e-3, "state")
+    assert_close_fp64(o, o_ref, 5e-3, "o")
+    assert_close_fp64(ht, ht_ref, 5e-3, "state")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import kda
 from helpers import (
+    AUTO,
     DEVICE,
     assert_close_fp64,
     assert_graph_replays_eager,
@@ -89,12 +90,29 @@ def test_poisoned_outputs_fully_written_and_nothing_outside(layout):
 
 
 def test_auto_runs_the_triton_kernels_where_they_apply():
-    """On a GPU (or under the interpreter, as here on CPU) auto picks Triton, and both
-    kernels really launch."""
+    """On a GPU auto picks Triton (on CPU tensors the interpreter is asked for by name), and
+    both kernels really launch."""
     case = make_case(T=20, H=1, K=16, V=16, device=DEVICE, seed=8)
     with kda.record_dispatch() as events:
-        kda.chunk_kda(*case.tensors(), **case.kwargs())
+        kda.chunk_kda(*case.tensors(), backend=AUTO, **case.kwargs())
     assert events == ["chunk_kda -> triton", "triton:prepare_chunks", "triton:recurrence_v_split"]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU tensors: where no GPU is visible")
+def test_auto_prefers_torch_to_the_interpreter_on_cpu_tensors(caplog):
+    """Under TRITON_INTERPRET=1 the Triton backend can run CPU tensors, but auto takes the
+    (far faster) torch backend and says why."""
+    import logging
+
+    from kda import dispatch
+
+    case = make_case(T=20, H=1, K=16, V=16, seed=8)
+    dispatch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kda"), kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert events == ["chunk_kda -> torch"]
+    assert any(r.getMessage().startswith("[kda] chunk_kda: triton rejected: tensors on cpu: the Triton interpreter")
+               for r in caplog.records), [r.getMessage() for r in caplog.records]  # fmt: skip
 
 
 def test_fused_recurrent_on_triton_equals_chunk():
@@ -105,7 +123,8 @@ def test_fused_recurrent_on_triton_equals_chunk():
         o, ht = kda.fused_recurrent_kda(*case.tensors(), backend="triton", **kw)
     assert "triton:recurrence_v_split" in events
     o_ref, ht_ref = fp64_reference(case)
-    assert_close_fp64(o, o_ref, 1e-4, "o") and assert_close_fp64(ht, ht_ref, 1e-4, "state")
+    assert_close_fp64(o, o_ref, 1e-4, "o")
+    assert_close_fp64(ht, ht_ref, 1e-4, "state")
 
 
 def test_prefill_then_decode_equals_one_prefill():

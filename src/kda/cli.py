@@ -12,6 +12,50 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BACKEND_NAMES = ("cuda", "triton", "torch")  # kda.dispatch's order; importing it here would import the backends
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line on stderr (and exit status 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def sequence_lengths(text: str) -> list[int]:
+    """argparse type: comma-separated lengths >= 0, at least one token in all."""
+    try:
+        lens = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 1300,547,2048, got {text!r}"
+        ) from None
+    if any(n < 0 for n in lens):
+        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
+    if sum(lens) == 0:
+        raise argparse.ArgumentTypeError(f"at least one length must be positive (nothing to compare), got {text!r}")
+    return lens
+
+
+def backend_list(text: str) -> list[str]:
+    """argparse type: comma-separated backend names."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in BACKEND_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(map(repr, unknown)) or repr(text)}"
+                                         f" (choose from {', '.join(BACKEND_NAMES)})")  # fmt: skip
+    return names
 
 
 def _use_interpreter_without_gpu() -> bool:
@@ -28,12 +72,12 @@ def make_problem(args: argparse.Namespace, device: str) -> tuple[tuple, dict]:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
     if args.seq_lens:
-        lens = [int(x) for x in args.seq_lens.split(",")]
+        lens = args.seq_lens
         B, T = 1, sum(lens)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
         N = len(lens)
     else:
-        B, T, cu, N = args.batch, args.T, None, args.batch
+        B, T, cu, N = args.batch or 1, args.T, None, args.batch or 1
     H, HV, K, V = args.H, args.HV or args.H, args.D, args.D
 
     def randn(*shape, dt=dtype):
@@ -78,6 +122,8 @@ def time_call(fn, device: str, repeats: int) -> float:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if args.seq_lens and (args.batch is not None or args.T is not None):
+        args.error("--seq-lens describes the whole packed batch: leave out --batch and --T")
     interpreted = _use_interpreter_without_gpu()
     import kda
     from kda.reference import relative_rms
@@ -91,8 +137,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for name, real in (("T", 8192), ("H", 32), ("D", 128)):
             if getattr(args, name) is None:
                 setattr(args, name, real)
+    if args.HV is not None and args.HV % args.H:
+        args.error(f"--HV must be a multiple of --H (GVA: each q/k head serves HV/H value heads), "
+                   f"got H={args.H}, HV={args.HV}")  # fmt: skip
+    wanted = args.backends or [b.name for b in kda.backends()]
+    if args.backends:  # asked for by name: each must run
+        reasons = {b.name: b.reason for b in kda.backends() if not b.available}
+        for name in wanted:
+            if name in reasons:
+                print(f"kda compare: error: backend {name!r} is unavailable: {reasons[name]}", file=sys.stderr)
+                return 1
     tensors, kwargs = make_problem(args, device)
-    shape = f"seq_lens={args.seq_lens}" if args.seq_lens else f"B={args.batch} T={args.T}"
+    shape = f"seq_lens={','.join(map(str, args.seq_lens))}" if args.seq_lens else f"B={args.batch or 1} T={args.T}"
     print(
         f"kda compare: {shape} H={args.H} HV={args.HV or args.H} D={args.D} {args.dtype} gate={args.gate} on {device}"
     )
@@ -107,7 +163,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     o_ref, ht_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **ref_kwargs)
 
     available = [b.name for b in kda.backends() if b.available]
-    wanted = args.backends.split(",") if args.backends else [b.name for b in kda.backends()]
     rows, first = [], None
     for name in wanted:
         if name not in available:
@@ -122,6 +177,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             o, ht = call()
         except kda.BackendUnavailableError as err:
+            if args.backends:
+                print(f"kda compare: error: {err}", file=sys.stderr)
+                return 1
             print(f"  {name}: skipped ({err})")
             continue
         first = first or (name, o)
@@ -129,8 +187,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         diff = (o.float() - first[1].float()).abs().max().item()
         rows.append((name, relative_rms(o, o_ref), relative_rms(ht, ht_ref), diff, ms))
 
+    if not rows:
+        print("kda compare: error: no backend could run this problem", file=sys.stderr)
+        return 1
     print()
-    ref_name = first[0] if first else "-"
+    ref_name = first[0]
     print(f"| backend | o rel RMS vs fp64 | state rel RMS vs fp64 | max abs diff vs {ref_name} | ms / call |")
     print("|---|---:|---:|---:|---:|")
     for name, eo, es, diff, ms in rows:
@@ -168,22 +229,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kda", description="Kimi Delta Attention kernels")
+    from kda import __version__  # light: importing kda imports no backend
+
+    parser = OneLineParser(prog="kda", description="Kimi Delta Attention kernels")
+    parser.add_argument("--version", action="version", version=f"kda {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     compare = sub.add_parser("compare", help="run every available backend on one problem against fp64")
-    compare.add_argument("--T", type=int, default=None, help="tokens per sequence (default 64 on CPU, 8192 on GPU)")
-    compare.add_argument("--batch", type=int, default=1)
-    compare.add_argument("--seq-lens", default=None, help="varlen: comma-separated lengths, e.g. 1300,547,2048")
-    compare.add_argument("--H", type=int, default=None, help="q/k heads (default 2 on CPU, 32 on GPU)")
-    compare.add_argument("--HV", type=int, default=None, help="value heads (GVA), default H")
-    compare.add_argument("--D", type=int, default=None, help="head dim K = V (default 32 on CPU, 128 on GPU)")
-    compare.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    compare.add_argument("--gate", choices=["lower_bound", "softplus", "precomputed"], default="lower_bound")
-    compare.add_argument("--backends", default=None, help="comma-separated subset, default: all available")
-    compare.add_argument("--repeats", type=int, default=3)
-    compare.add_argument("--seed", type=int, default=0)
-    compare.set_defaults(func=cmd_compare)
+    compare.add_argument("--T", type=positive_int, default=None,
+                         help="tokens per sequence (default 64 on CPU, 8192 on GPU)")  # fmt: skip
+    compare.add_argument("--batch", type=positive_int, default=None, help="sequences of T tokens (default 1)")
+    compare.add_argument("--seq-lens", type=sequence_lengths, default=None,
+                         help="varlen instead of --batch/--T: comma-separated lengths, e.g. 1300,547,2048")  # fmt: skip
+    compare.add_argument("--H", type=positive_int, default=None, help="q/k heads (default 2 on CPU, 32 on GPU)")
+    compare.add_argument("--HV", type=positive_int, default=None, help="value heads (GVA), a multiple of H; default H")
+    compare.add_argument("--D", type=positive_int, default=None,
+                         help="head dim K = V (default 32 on CPU, 128 on GPU)")  # fmt: skip
+    compare.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
+    compare.add_argument("--gate", choices=["lower_bound", "softplus", "precomputed"], default="lower_bound",
+                         help="lower_bound: lb * sigmoid in kernel (lb = -5); softplus: in kernel; "
+                              "precomputed: g given as log-decays (default lower_bound)")  # fmt: skip
+    compare.add_argument("--backends", type=backend_list, default=None,
+                         help=f"comma-separated subset of {','.join(BACKEND_NAMES)}, each of which must be "
+                              "available (default: every available one)")  # fmt: skip
+    compare.add_argument("--repeats", type=positive_int, default=3, help="timed calls per backend (default 3)")
+    compare.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    compare.set_defaults(func=cmd_compare, error=compare.error)
 
     info = sub.add_parser("info", help="backends and environment")
     info.set_defaults(func=cmd_info)
@@ -195,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--train", action="store_true", help="training: fwd+bwd time and peak memory against fla's (TRAIN_CASES)"
     )
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
-    bench.add_argument("--tag", default="", help="suffix for the result file names (partial runs)")
+    bench.add_argument(
+        "--tag", default="", help="suffix for the result file names (partial runs); --tag=-x for a leading dash"
+    )
     bench.add_argument(
         "--impls", default=None, help="comma-separated subset of the contenders (e.g. kda-cuda,fla), default: all"
     )
@@ -208,4 +281,16 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as err:
+        if args.command != "compare":
+            raise
+        # kda's own checks of the problem (they name the argument), e.g. --D 300: one line
+        print(f"kda compare: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader stopped early (`kda info | head`): not an error of ours. Point stdout at
+        # devnull so that Python's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -2,9 +2,10 @@
 
 Every backend says whether it is available at all (``availability``) and whether it
 supports a given call (``rejects``), each with a reason. ``backend="auto"`` takes the first
-of ``AUTO_ORDER`` that accepts the call. Every decision, and every refusal with its reason,
-is logged once per process on the ``kda`` logger, and can be captured with
-:func:`record_dispatch` (tests use it to prove that a fast path really ran).
+of ``AUTO_ORDER`` that accepts the call and has no reason to be passed over
+(``auto_rejects``). Every decision, and every refusal with its reason, is logged once per
+process on the ``kda`` logger, and can be captured with :func:`record_dispatch` (tests use
+it to prove that a fast path really ran).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Backend(Protocol):
 
     def rejects(self, problem: Problem) -> str | None:
         """None when the backend supports this call, else the unsupported feature."""
+
+    def auto_rejects(self, problem: Problem) -> str | None:
+        """None, or why ``auto`` should pass over a call the backend could run when asked by
+        name (the Triton interpreter on CPU tensors: the torch backend is far faster)."""
 
     def run(self, problem: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(o, final_state)`` with fla's shapes, dtypes and state layout."""
@@ -138,7 +143,7 @@ def select(problem: Problem, requested: str) -> Backend:
         chosen = None
         for name in AUTO_ORDER:
             backend = _backends.get(name) or get_backend(name)
-            reason = refusal(backend, problem)
+            reason = refusal(backend, problem) or backend.auto_rejects(problem)
             if reason is None:
                 chosen = backend
                 break

@@ -60,6 +60,9 @@ class TorchBackend:
     def rejects(self, problem: Problem) -> str | None:
         return None
 
+    def auto_rejects(self, problem: Problem) -> str | None:
+        return None
+
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         o, ht = run_reference(p, p.state_dtype, recurrent=p.op == "fused_recurrent_kda")
         return o.to(p.q.dtype), (None if ht is None else ht.to(p.final_state_dtype))

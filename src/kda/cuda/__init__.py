@@ -81,6 +81,9 @@ class CudaBackend:
             return "turned off by KDA_CUDA=0"
         return _static_availability()
 
+    def auto_rejects(self, p: Problem) -> str | None:
+        return None
+
     def rejects(self, p: Problem) -> str | None:
         """The first feature of ``p`` the kernels do not cover, or None. Features first,
         then where the tensors live (so the reasons read the same on any machine)."""

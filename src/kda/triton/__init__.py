@@ -92,6 +92,12 @@ class TritonBackend:
             return f"tensors on {p.q.device} (needs CUDA tensors, or TRITON_INTERPRET=1)"
         return None
 
+    def auto_rejects(self, p: Problem) -> str | None:
+        if p.q.device.type != "cuda":
+            return (f"tensors on {p.q.device}: the Triton interpreter runs them far slower than the torch backend "
+                    "(backend='triton' runs it anyway)")  # fmt: skip
+        return None
+
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         if p.requires_grad or torch.compiler.is_compiling():
             # Through the custom op: autograd gets its backward, torch.compile an opaque node.
