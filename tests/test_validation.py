@@ -41,7 +41,11 @@ BAD = [
     ), ValueError, "K=257"),
     ("V > 256", dict(v=torch.randn(1, T_, HV_, 300), initial_state=None), ValueError, "V=300"),
     ("head_first", dict(head_first=True), ValueError, "`head_first"),
-    ("cu_seqlens int32", dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), TypeError, "`cu_seqlens`"),
+    ("cu_seqlens int16", dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int16)), TypeError, "int64 or int32"),
+    ("cu_seqlens_cpu disagrees", dict(cu_seqlens=torch.tensor([0, 8, 20]), cu_seqlens_cpu=torch.tensor([0, 12, 20])),
+     ValueError, "disagrees with `cu_seqlens`"),
+    ("cu_seqlens_cpu shape", dict(cu_seqlens=torch.tensor([0, 20]), cu_seqlens_cpu=torch.tensor([0, 8, 20])),
+     ValueError, "`cu_seqlens_cpu`"),
     ("cu_seqlens 2-D", dict(cu_seqlens=torch.tensor([[0, 20]])), ValueError, "`cu_seqlens`"),
     ("cu_seqlens start", dict(cu_seqlens=torch.tensor([1, 20])), ValueError, "start at 0"),
     ("cu_seqlens decreasing", dict(cu_seqlens=torch.tensor([0, 12, 8, 20])), ValueError, "non-decreasing"),
@@ -67,6 +71,21 @@ BAD = [
     ("unknown kwarg", dict(use_grpah=True), TypeError, "use_grpah"),
     ("backend name", dict(backend="fast"), ValueError, "`backend`"),
 ]  # fmt: skip
+
+
+def test_int32_cu_seqlens_equal_int64():
+    """flash-attn users hold int32 offsets: taken as they are (device copy and host copy), the
+    same answer as int64."""
+    import kda
+    from helpers import make_case
+
+    case = make_case(seq_lens=[5, 0, 21], H=1, K=8, V=8, seed=4)
+    kw = case.kwargs()
+    want = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    for host in (None, case.cu_seqlens.int()):
+        kw32 = dict(kw, cu_seqlens=case.cu_seqlens.int(), cu_seqlens_cpu=host)
+        got = kda.chunk_kda(*case.tensors(), backend="torch", **kw32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("name,over,exc,needle", BAD, ids=[b[0] for b in BAD])

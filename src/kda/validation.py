@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -128,6 +129,10 @@ def _any_requires_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     return False
 
 
+OFFSET_DTYPES = (torch.int64, torch.int32)
+CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "0") == "1"
+
+
 def _check_cu_seqlens(
     cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, ...] | None]:
@@ -137,8 +142,8 @@ def _check_cu_seqlens(
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         return None, None, None
     cu = cu_seqlens if isinstance(cu_seqlens, Tensor) else _require_tensor("cu_seqlens", cu_seqlens)
-    if cu.dtype != torch.int64:
-        raise TypeError(f"`cu_seqlens` must be int64 (torch.long), got {cu.dtype}")
+    if cu.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"`cu_seqlens` must be int64 or int32, got {cu.dtype}")
     shape = cu.shape
     if len(shape) != 1 or shape[0] < 2:
         raise ValueError(f"`cu_seqlens` must be 1-D with at least 2 entries [N+1], got shape {list(shape)}")
@@ -150,10 +155,18 @@ def _check_cu_seqlens(
         host = (
             cu_seqlens_cpu if isinstance(cu_seqlens_cpu, Tensor) else _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
         )
-        if not host.is_cpu or host.dtype != torch.int64 or host.shape != shape:
+        if not host.is_cpu or host.dtype not in OFFSET_DTYPES or host.shape != shape:
             raise ValueError(
-                f"`cu_seqlens_cpu` must be an int64 CPU copy of `cu_seqlens` with shape {list(shape)}, "
+                f"`cu_seqlens_cpu` must be an int64 or int32 CPU copy of `cu_seqlens` with shape {list(shape)}, "
                 f"got {host.dtype} on {host.device} with shape {list(host.shape)}"
+            )
+        # The layout is read from the host copy alone (the kernels never read cu_seqlens), so
+        # the two must agree. Compared where that costs no device sync: both on the CPU, or
+        # with KDA_CHECK_CU_SEQLENS=1 (one sync per call: for debugging).
+        if (cu.is_cpu or CHECK_CU_SEQLENS) and not torch.equal(cu.cpu().long(), host.long()):
+            raise ValueError(
+                f"`cu_seqlens_cpu` {host.tolist()} disagrees with `cu_seqlens` {cu.tolist()} (the layout is read "
+                "from `cu_seqlens_cpu`)"
             )
         values = host
     else:
@@ -172,7 +185,8 @@ def _check_cu_seqlens(
         raise ValueError("`cu_seqlens` must be non-decreasing")
     if offsets[-1] != T:
         raise ValueError(f"`cu_seqlens` must end at T={T} (the flattened length), got {offsets[-1]}")
-    return cu.contiguous(), values, offsets
+    # int32 offsets (flash-attn's) become int64 here: on the device that is one small copy, no sync
+    return cu.long().contiguous(), values.long(), offsets
 
 
 def _check_gate_params(
