@@ -551,7 +551,7 @@ def markdown_table(report: dict) -> str:
         for name, row in report["host_overhead_tiny_call"].items():
             graph = f"{row['graph_replay_us']:.1f}" if "graph_replay_us" in row else row.get("graph_error", "-")
             low, high = row.get("eager_host_us_min"), row.get("eager_host_us_max")
-            spread = "" if low is None else f" ({low:.1f}-{high:.1f})"  # reports before session 6 lack it
+            spread = "" if low is None else f" ({low:.1f}-{high:.1f})"  # reports before commit 89af978 lack it
             lines.append(f"| {name} | {row['eager_host_us']:.1f}{spread} | {graph} |")
     if report.get("state_layout_ms_1x8192_H96"):
         lines += ["", "| 1x8192 H96, state layout | VK ms | KV ms |", "|---|---:|---:|"]

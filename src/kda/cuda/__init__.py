@@ -11,7 +11,7 @@ Triton.
 (``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
 
 This release passed tests/test_cuda.py and compute-sanitizer memcheck and racecheck on an
-H200 (``benchmarks/NOTES.md``, session 6).
+H200 (``benchmarks/NOTES.md``, 2026-11-30, commit 89af978).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kda.validation import Problem
 def recurrence_warps(pairs: int, sms: int) -> int:
     """Consumer warps per recurrence CTA (16 V rows each, plus one producer warp), for
     ``pairs`` (sequence, head) pairs on ``sms`` SMs. Measured on the H200 (benchmarks/NOTES.md,
-    session 5, run 3): two warps (four CTAs a pair, 168 registers, four CTAs an SM) win while
+    2026-11-30, commit 0f49568, run 3): two warps (four CTAs a pair, 168 registers, four CTAs an SM) win while
     the pairs are few (up to 256 on 132 SMs: 1x8192 H96 0.563 ms vs 0.583 for four warps,
     1x32768 H32 1.25 vs 1.71); four warps (two CTAs a pair, 128 registers, three CTAs an SM)
     win from 512 pairs on (1024x8 H96 0.440 vs 0.473, varlen6 H96 0.432 vs 0.476), where
@@ -43,7 +43,7 @@ def workspace_bytes(p: Problem, tables=None) -> int:
 
 # Workspaces up to this size are kept, one per (device, stream), and reused by the next call
 # on that stream: an allocation from torch's caching allocator costs 1.5-3.5 us of host time
-# on the H200 host (benchmarks/NOTES.md, session 6), against a budget of 40 us for a small
+# on the H200 host (benchmarks/NOTES.md, 2026-11-30, commit 89af978), against a budget of 40 us for a small
 # call; bigger problems allocate per call, where that is noise beside the kernels. Reuse is
 # safe because the stream orders the calls (K1 and K2 of one call are launched together,
 # under the loader's lock), and a workspace outgrown is handed back to the allocator, which

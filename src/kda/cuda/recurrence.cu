@@ -23,7 +23,7 @@
 namespace kda {
 namespace {
 
-constexpr int kStages = 3;  // four for four consumer warps measured the same (session 5, run 6)
+constexpr int kStages = 3;  // four for four consumer warps measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568, run 6)
 
 // One pipeline stage: the chunk's workspace block as K1 stored it (tiles already swizzled),
 // then the CTA's [16, BV] slice of v, rows padded by 16 bytes so that the eight rows an
@@ -245,7 +245,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
 // allocated per SM sub-partition (16384 each), so the cap decides how many CTAs an SM holds:
 // at 168, three warps a sub-partition (two-warp CTAs: four an SM, eight consumer warps); at
 // 128, four (four-warp CTAs: three an SM, twelve consumer warps). The loop needs no more
-// than 128 without spilling; forward.recurrence_warps picks the width (session 5, run 3).
+// than 128 without spilling; forward.recurrence_warps picks the width (2026-11-30, commit 0f49568, run 3).
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
 extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
