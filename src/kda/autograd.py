@@ -3,7 +3,9 @@ with a backward (today: Triton), its fake (shape) functions and its backward reg
 it, so eager autograd, ``torch.compile`` and AOTAutograd share one code path.
 
 - ``kda::chunk_fwd``: ``(o, final_state, checkpoints)``; the checkpoints are what the backward
-  needs (``kda.triton.training``), empty when no backward will run.
+  needs (``kda.triton.training``), empty when no backward will run. Inference calls that
+  torch.compile traces run through it too, on Triton or on the CUDA path (``use_cuda``): its
+  launches through cuda-python are opaque to dynamo, which would break the graph there.
 - ``kda::chunk_bwd``: the gradients of every differentiable input.
 
 Both take the checked call (:class:`kda.validation.Problem`) flattened into tensors and plain
@@ -58,10 +60,10 @@ def chunk_fwd(
     initial_state: Tensor | None, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
     lower_bound: float | None, output_final_state: bool, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, safe_gate: bool, state_v_first: bool, final_state_dtype: torch.dtype,
-    save_checkpoints: bool,
+    save_checkpoints: bool, use_cuda: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The chunked forward on Triton: ``(o, final_state or an empty tensor, checkpoints or an
-    empty tensor)``."""
+    """The chunked forward on Triton (or, without checkpoints, on the CUDA path): ``(o,
+    final_state or an empty tensor, checkpoints or an empty tensor)``."""
     from kda.triton import chunk_forward
     from kda.triton.training import train_forward
 
@@ -70,6 +72,10 @@ def chunk_fwd(
                  state_v_first, final_state_dtype)  # fmt: skip
     if save_checkpoints:
         o, ht, checkpoints = train_forward(p)
+    elif use_cuda:
+        from kda.cuda.forward import chunk_forward as cuda_chunk_forward
+
+        (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     else:
         (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     return o, (q.new_empty(0, dtype=final_state_dtype) if ht is None else ht), checkpoints
@@ -83,7 +89,7 @@ def _state_shape(q: Tensor, v: Tensor, N: int, state_v_first: bool) -> tuple[int
 @chunk_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, lower_bound,
       output_final_state, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate, state_v_first,
-      final_state_dtype, save_checkpoints):  # fmt: skip
+      final_state_dtype, save_checkpoints, use_cuda=False):  # fmt: skip
     B, T = q.shape[:2]
     HV, V = v.shape[-2:]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -149,14 +155,15 @@ def _backward(ctx, do, dht, _dcheckpoints):
         None if A_log is None else dA_log,
         None if dt_bias is None else ddt_bias,
         dh0 if ctx.has_initial_state else None,
-        *([None] * (PROBLEM_ARGS - 8)), None,
+        *([None] * (PROBLEM_ARGS - 8)), None, None,
     )  # fmt: skip
 
 
 chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def chunk_kda_trainable(p: Problem) -> tuple[Tensor, Tensor | None]:
-    """Run ``p`` through :func:`chunk_fwd` (the autograd-aware path): ``(o, final_state or None)``."""
-    o, ht, _ = chunk_fwd(*_problem_args(p), p.requires_grad)
+def chunk_kda_trainable(p: Problem, use_cuda: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Run ``p`` through :func:`chunk_fwd` (the autograd-aware path, and the one torch.compile
+    traces): ``(o, final_state or None)``. ``use_cuda``: the CUDA path's forward (inference)."""
+    o, ht, _ = chunk_fwd(*_problem_args(p), p.requires_grad, use_cuda)
     return o, (ht if p.output_final_state else None)

@@ -113,6 +113,10 @@ class CudaBackend:
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if torch.compiler.is_compiling():  # a custom op: dynamo cannot trace the cuda-python launch
+            from kda.autograd import chunk_kda_trainable
+
+            return chunk_kda_trainable(p, use_cuda=True)
         return _chunk_forward()(p)
 
 
