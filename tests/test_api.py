@@ -152,8 +152,9 @@ def test_bench_table_renders_every_section():
 
 def test_importing_kda_leaves_triton_and_dynamo_unimported():
     """``import kda`` imports neither Triton nor torch._dynamo (which imports Triton): Triton
-    reads TRITON_INTERPRET when it is imported, and the CLI sets it after importing kda."""
-    code = "import sys, kda; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    reads TRITON_INTERPRET when it is imported, and the CLI sets it after importing kda. Nor
+    fla (register_fla_backend imports it when called)."""
+    code = "import sys, kda; print(sorted(m for m in ('triton', 'torch._dynamo', 'fla') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout

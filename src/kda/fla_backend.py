@@ -1,0 +1,151 @@
+"""kda as a backend of flash-linear-attention's dispatcher (``fla.backends``, fla >= 0.6).
+
+After :func:`register_fla_backend`, code that calls fla's KDA (``fla.ops.kda.chunk_kda``, so
+fla's own KDA layer and the Hugging Face Kimi Linear modeling code) runs kda unchanged:
+
+    import kda
+    kda.register_fla_backend()
+
+fla asks each registered backend, best priority first, whether it takes a call (a verifier
+returning ``(accepted, reason)``), logs its choice as ``[FLA Backend] <entry point> -> kda``
+(or ``... -> kda rejected: <reason>``, once per reason), and runs its own implementation when
+no backend takes the call. ``FLA_KDA=0`` turns kda off (read by fla at each call).
+
+What kda takes:
+
+- ``fla.ops.kda.chunk_kda``: every call kda's own checks accept (training calls too: their
+  gradients come from kda's Triton backward), except calls on a GPU that kda could only run
+  on its torch reference (fla's kernels are faster there) and fla's features kda does not have
+  (``cp_context``, ``return_intermediate_states``): those fall through to fla.
+- fla's decode entry point ``fused_recurrent_kda_fwd`` (operation ``kda``): CPU tensors only,
+  where fla's Triton kernel cannot run. On a GPU kda's decode is still slower than fla's
+  (it runs the chunk kernels), so GPU calls fall through; so do state pools
+  (``ssm_state_indices``, ``num_accepted_tokens``) and ``out=``, which kda lacks.
+
+Importing kda never imports fla; this module imports it when :func:`register_fla_backend`
+runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+BACKEND_TYPE = "kda"
+ENV_VAR = "FLA_KDA"
+PRIORITY = 2  # fla: lower runs first; FlashKDA's backend is 3
+_registered = False
+_lock = threading.Lock()
+
+
+def _chunk_refusal(args: tuple, kwargs: dict) -> str | None:
+    """Why kda does not take ``fla.ops.kda.chunk_kda(*args, **kwargs)``, or None."""
+    from kda import api, dispatch
+
+    if kwargs.get("cp_context") is not None:
+        return "cp_context (context parallelism) is not supported by kda"
+    try:
+        problem = api.checked_problem(api.chunk_kda, *args, **kwargs)
+    except (TypeError, ValueError) as err:
+        return f"kda cannot take the call: {err}"
+    chosen = _auto_choice(problem, dispatch)
+    if chosen == "torch" and problem.q.is_cuda:
+        return f"kda would run its torch reference here ({problem.describe()}); fla's kernels are faster"
+    return None
+
+
+def _auto_choice(problem, dispatch) -> str:
+    """The backend kda's ``auto`` picks for ``problem``, without logging it."""
+    for name in dispatch.AUTO_ORDER:
+        backend = dispatch.get_backend(name)
+        if dispatch.refusal(backend, problem) is None and backend.auto_rejects(problem) is None:
+            return name
+    return "torch"
+
+
+def _decode_refusal(call: dict) -> str | None:
+    """Why kda does not take fla's ``fused_recurrent_kda_fwd`` call (its arguments by name)."""
+    for name in ("ssm_state_indices", "num_accepted_tokens", "out"):
+        if call.get(name) is not None:
+            return f"`{name}` is not supported by kda yet"
+    if call["inplace_final_state"] and call["initial_state"] is None:
+        return "inplace_final_state=True without an initial_state"
+    if call["q"].is_cuda:
+        return "kda's decode on a GPU is slower than fla's (it runs the chunk kernels); fla's kernel runs it"
+    return None
+
+
+def _make_backends():
+    """fla adapter classes (fla's BaseBackend subclasses), built once fla is imported."""
+    from fla.backends import BaseBackend
+
+    class KDAChunkBackend(BaseBackend):
+        """kda's chunk_kda for ``fla.ops.kda.chunk_kda``."""
+
+        backend_type = BACKEND_TYPE
+        env_var = ENV_VAR
+        priority = PRIORITY
+
+        def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+            reason = _chunk_refusal(args, kwargs)
+            return reason is None, reason
+
+        def chunk_kda(self, *args, **kwargs):
+            import kda
+
+            kwargs.pop("cp_context", None)  # None here (the verifier refuses any other)
+            return kda.chunk_kda(*args, **kwargs)
+
+    class KDADecodeBackend(BaseBackend):
+        """kda's fused_recurrent_kda for fla's dispatched ``fused_recurrent_kda_fwd``."""
+
+        backend_type = BACKEND_TYPE
+        env_var = ENV_VAR
+        priority = PRIORITY
+
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+            bound = inspect.signature(self.fused_recurrent_kda_fwd).bind(*args, **kwargs)
+            bound.apply_defaults()
+            reason = _decode_refusal(bound.arguments)
+            return reason is None, reason
+
+        def fused_recurrent_kda_fwd(
+            self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+            output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+            ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+            out=None, **kwargs,
+        ):  # fmt: skip
+            import kda
+
+            o, ht = kda.fused_recurrent_kda(
+                q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                output_final_state or inplace_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            )  # fmt: skip
+            if inplace_final_state:  # fla's contract: the final state overwrites the initial one
+                initial_state.copy_(ht)
+                ht = initial_state
+            return o, ht
+
+    return KDAChunkBackend, KDADecodeBackend
+
+
+def register_fla_backend() -> bool:
+    """Register kda in fla's backend registry for ``fla.ops.kda.chunk_kda`` and fla's decode
+    entry point. Idempotent. Returns False (and registers nothing) when fla, or a version of
+    it with ``fla.backends``, is not installed."""
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        try:
+            from fla.backends import register
+            from fla.ops.kda import chunk as fla_chunk
+        except ImportError:
+            return False
+        chunk_backend, decode_backend = _make_backends()
+        register(fla_chunk.chunk_kda)(chunk_backend)
+        register("kda")(decode_backend)
+        _registered = True
+        return True

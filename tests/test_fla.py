@@ -1,0 +1,158 @@
+"""kda beside fla-core 0.6.0 (CPU included): kda's outputs against fla's own naive reference,
+and kda as a backend of fla's dispatcher (fla's own chunk_kda and decode entry point reach
+kda after ``kda.register_fla_backend()``, fall through to fla where kda cannot take the call,
+and ``FLA_KDA=0`` turns kda off)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import kda
+from helpers import AUTO, DEVICE, cuda_ready, make_case, rel
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
+
+
+@pytest.fixture(scope="module")
+def fla_kda():
+    assert kda.register_fla_backend()
+    assert kda.register_fla_backend(), "registering twice is a no-op"
+    from fla.ops import kda as fla_kda
+
+    return fla_kda
+
+
+def fla_registry():
+    from inspect import unwrap
+
+    from fla import backends
+    from fla.ops.kda import chunk
+
+    return backends._function_registries[unwrap(chunk.chunk_kda)]
+
+
+def fla_log_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("fla")]
+
+
+@pytest.mark.parametrize("backend", ["torch", AUTO])
+def test_kda_equals_fla_naive_reference(backend):
+    """fla's naive_recurrent_kda (float32 token loop, precomputed gate, KV state, batched) on the
+    same inputs: GVA, an initial state, T not a multiple of 16."""
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    case = make_case(B=2, T=37, H=2, HV=4, K=16, V=24, gate="precomputed", device=DEVICE, seed=47)
+    q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (case.q, case.k))
+    beta = torch.sigmoid(case.beta)
+    o_fla, ht_fla = naive_recurrent_kda(q, k, case.v, case.g, beta, initial_state=case.initial_state,
+                                        output_final_state=True)  # fmt: skip
+    o, ht = kda.chunk_kda(q, k, case.v, case.g, beta, initial_state=case.initial_state, output_final_state=True,
+                          backend=backend)  # fmt: skip
+    assert rel(o, o_fla) <= 1e-5 and rel(ht, ht_fla) <= 1e-5, (rel(o, o_fla), rel(ht, ht_fla))
+
+
+def test_registered_once_in_fla_registries(fla_kda):
+    from fla import backends
+
+    assert [b.backend_type for b in fla_registry()._backends.values()].count("kda") == 1
+    assert "kda" in backends._get_operation_registry("kda")._backends
+
+
+def test_fla_chunk_kda_reaches_kda_on_cpu(fla_kda, caplog):
+    """On CPU fla's chunk_kda (whose Triton kernels need a GPU) runs kda, with fla's log line."""
+    case = make_case(seq_lens=[5, 0, 21], H=1, HV=2, K=16, V=16, seed=41)
+    fla_registry()._logged.clear()
+    with caplog.at_level(logging.INFO), kda.record_dispatch() as events:
+        got = fla_kda.chunk_kda(*case.tensors(), **case.kwargs())
+    want = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert events[0] == "chunk_kda -> torch", events
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert any(line.startswith("[FLA Backend]") and line.endswith("chunk_kda -> kda") for line in fla_log_lines(caplog))
+
+
+def test_fla_training_call_reaches_kda(fla_kda):
+    case = make_case(T=20, H=1, K=16, V=16, seed=42)
+    q = case.q.clone().requires_grad_()
+    with kda.record_dispatch() as events:
+        o, _ = fla_kda.chunk_kda(q, *case.tensors()[1:], **case.kwargs())
+        o.sum().backward()
+    assert events[0] == "chunk_kda -> torch (forward and backward)", events
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize(
+    "over, reason",
+    [
+        ({"cp_context": object()}, "cp_context (context parallelism) is not supported by kda"),
+        ({"return_intermediate_states": True}, "kda cannot take the call: `return_intermediate_states"),
+    ],
+)
+def test_calls_kda_cannot_take_fall_through_to_fla_saying_why(fla_kda, caplog, over, reason):
+    """fla's verifier protocol: the reason is logged once and fla's own implementation runs (it
+    is stood in for here: on CPU it cannot run)."""
+    case = make_case(T=20, H=1, K=16, V=16, seed=43)
+    registry = fla_registry()
+    registry._logged.clear()
+    backend = registry._backends["kda"]
+    accepted, why = backend.verify("chunk_kda", *case.tensors(), **case.kwargs(**over))
+    assert not accepted and why.startswith(reason), why
+
+
+def test_fla_kda_off_switch(fla_kda, monkeypatch):
+    monkeypatch.setenv("FLA_KDA", "0")
+    assert not fla_registry()._backends["kda"].is_enabled()
+    monkeypatch.setenv("FLA_KDA", "1")
+    assert fla_registry()._backends["kda"].is_enabled()
+
+
+def test_fla_decode_reaches_kda_on_cpu(fla_kda):
+    """fla's fused_recurrent_kda (dispatched through fused_recurrent_kda_fwd) runs kda on CPU
+    tensors, with fla's semantics (a returned final state)."""
+    case = make_case(seq_lens=[1, 3, 2], H=1, K=16, V=16, seed=44)
+    kw = case.kwargs()
+    kw.pop("safe_gate", None)
+    with kda.record_dispatch() as events:
+        got = fla_kda.fused_recurrent_kda(*case.tensors(), **kw)
+    want = kda.fused_recurrent_kda(*case.tensors(), **kw)
+    assert events and events[0] == "fused_recurrent_kda -> torch", events
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_decode_in_place_final_state_and_refusals(fla_kda):
+    """The entry point's own contract: inplace_final_state writes the final state into the
+    initial one; state pools and ``out=`` fall through (kda has neither yet)."""
+    from fla import backends
+
+    case = make_case(seq_lens=[2, 3], H=1, K=16, V=16, seed=45)
+    backend = backends._get_operation_registry("kda")._backends["kda"]
+    kw = dict(A_log=case.A_log, dt_bias=case.dt_bias, initial_state=case.initial_state.clone(),
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, cu_seqlens=case.cu_seqlens)  # fmt: skip
+    h0 = kw["initial_state"]
+    _, ht = backend.fused_recurrent_kda_fwd(case.q, case.k, case.v, case.g, case.beta, **kw)
+    _, want = kda.fused_recurrent_kda(case.q, case.k, case.v, case.g, case.beta, output_final_state=True,
+                                      **dict(kw, initial_state=case.initial_state))  # fmt: skip
+    assert ht is h0 and torch.equal(h0, want)
+    for name in ("ssm_state_indices", "out"):
+        accepted, why = backend.verify("fused_recurrent_kda_fwd", case.q, case.k, case.v, case.g, case.beta,
+                                       **dict(kw, **{name: torch.zeros(1)}))  # fmt: skip
+        assert not accepted and name in why
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_fla_chunk_kda_runs_the_cuda_kernels(fla_kda, caplog):
+    """On the H200: fla's chunk_kda runs kda's CUDA kernels, results equal kda.chunk_kda's."""
+    assert DEVICE == "cuda"
+    case = make_case(seq_lens=[300, 17], H=4, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=46)
+    fla_registry()._logged.clear()
+    with caplog.at_level(logging.INFO), kda.record_dispatch() as events:
+        got = fla_kda.chunk_kda(*case.tensors(), **case.kwargs())
+    want = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert events[:3] == ["chunk_kda -> cuda", "cuda:prepare", "cuda:recurrence"], events
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert any(line.endswith("chunk_kda -> kda") for line in fla_log_lines(caplog))
