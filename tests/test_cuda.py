@@ -82,6 +82,26 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
         assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
 
 
+def cutlass_include() -> Path:
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    cutlass = importlib.util.find_spec("cutlass_library")
+    if cutlass is None:
+        pytest.skip("the nvidia-cutlass wheel (CUTLASS headers) is not installed")
+    return Path(cutlass.submodule_search_locations[0]) / "source" / "include"
+
+
+def test_a_build_whose_bulk_copies_would_trap_fails(tmp_path):
+    """For a plain sm_100 (not sm_100a) CuTe compiles its bulk copies as traps: the build must
+    fail, naming the fix, rather than ship kernels that trap (kda_cuda.cuh)."""
+    result = subprocess.run(
+        ["nvcc", "-cubin", "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_100", "-I", str(cutlass_include()),
+         "-o", str(tmp_path / "recurrence.cubin"), str(SOURCES / "recurrence.cu")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "bulk (TMA) copies are disabled" in result.stderr, result.stderr[-2000:]
+
+
 def test_params_mirror_matches_the_header():
     body = HEADER[HEADER.index("struct Params {") : HEADER.index("};", HEADER.index("struct Params {"))]
     names = re.findall(r"^\s+[\w\s\*]+?\b(\w+);", body, flags=re.M)

@@ -498,7 +498,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot (pip install 'kda[bench]')")
+        print("matplotlib not installed: no plot (pip install 'kda-kernels[bench]')")
         return None
     return plt
 

@@ -55,7 +55,7 @@ def _static_availability() -> str | None:
     try:
         import cuda.bindings.driver  # noqa: F401
     except ImportError:
-        return "cuda-bindings is not installed (pip install 'kda[cuda]')"
+        return "cuda-bindings is not installed (pip install 'kda-kernels[cuda]')"
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     major, minor = torch.cuda.get_device_capability()

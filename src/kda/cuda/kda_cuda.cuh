@@ -13,6 +13,13 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
+// CuTe compiles its bulk (TMA) copies for sm_90 and for the arch-specific Blackwell targets
+// (sm_100a, ...); for a plain sm_100 they become traps at run time. Fail the build instead of
+// shipping kernels that trap.
+#if defined(__CUDA_ARCH__) && !defined(CUTE_ARCH_TMA_SM90_ENABLED)
+#error "kda: CuTe's bulk (TMA) copies are disabled for this target: build for an arch-specific target (KDA_CUDA_ARCHS=90a or 100a), not a plain sm_XY"
+#endif
+
 namespace kda {
 
 constexpr int kChunk = 16;      // tokens per chunk
