@@ -367,3 +367,15 @@ def test_gpu_cuda_backend_refuses_training_and_auto_trains_on_triton():
 @pytest.mark.gpu
 def test_gpu_compile_fullgraph_trains_a_two_layer_model():
     test_compile_fullgraph_trains_a_two_layer_model()
+
+
+@pytest.mark.parametrize("gate, value", [("precomputed", float("-inf")), ("precomputed", -1e30), ("softplus", 1e30)])
+def test_triton_gradients_through_hard_resets(gate, value):
+    """g = -inf (or any log-decay below reference.HARD_RESET) in the training path: every
+    gradient finite and float32-exact against float64 autograd of the token loop (a reset
+    step's own gradient is 0)."""
+    case = make_case(seq_lens=[40, 9], H=1, HV=2, K=16, V=16, gate=gate, device=DEVICE, seed=52)
+    for t, hv, channels in ((0, 0, [0]), (5, 1, [1, 2]), (15, 0, [3]), (16, 1, list(range(16))), (44, 0, [5])):
+        case.g[0, t, hv, channels] = value
+    ref = fp64_gradients(case)
+    assert_gradients_close(gradients(case, "triton"), ref, fp32_bars(case, ref))

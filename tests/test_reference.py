@@ -108,3 +108,40 @@ def test_chunk_backward_equals_autograd_of_the_token_loop(steep):
     grads = reference.chunk16_kda_backward(q, k, v, g, beta, do, initial_state=h0, dht=dht, cu_seqlens=cu)
     for name, got, leaf in zip(("q", "k", "v", "g", "beta", "h0"), grads, leaves):
         assert reference.relative_rms(got, leaf.grad) < 1e-12, name
+
+
+RESETS = (float("-inf"), -1e30, -200.0, -104.5)  # each a hard reset (reference.HARD_RESET)
+
+
+@pytest.mark.parametrize("value", RESETS)
+def test_hard_resets_are_exact_in_the_chunk_form(value):
+    """g = -inf (or any log-decay below HARD_RESET) zeroes its channel: the chunk form equals
+    the token loop (where exp(-inf) = 0 is plain), finite, in float64, forward and backward.
+    Resets at a chunk's first, a middle and its last row, two in one chunk, and a whole
+    channel reset twice in a row."""
+    torch.manual_seed(2)
+    lens, H, K, V = [40, 7, 16], 1, 8, 6
+    T, dt = sum(lens), torch.float64
+    q, k = reference.l2norm(torch.randn(1, T, H, K, dtype=dt)), reference.l2norm(torch.randn(1, T, H, K, dtype=dt))
+    v, beta = torch.randn(1, T, H, V, dtype=dt), torch.rand(1, T, H, dtype=dt)
+    g = -torch.rand(1, T, H, K, dtype=dt)
+    for t, channels in ((0, [0]), (5, [1, 2]), (9, [1]), (15, [3]), (16, [3]), (17, [0, 1, 2, 3, 4, 5, 6, 7]),
+                        (44, [5]), (47, [2]), (62, [6])):  # fmt: skip
+        g[0, t, 0, channels] = value
+    h0, dht, do = (
+        torch.randn(3, H, K, V, dtype=dt),
+        torch.randn(3, H, K, V, dtype=dt),
+        torch.randn(1, T, H, V, dtype=dt),
+    )
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o_r, s_r = reference.naive_recurrent_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                             cu_seqlens=cu)  # fmt: skip
+    o_c, s_c = reference.chunk16_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    assert rel(o_c, o_r) <= 1e-12 and rel(s_c, s_r) <= 1e-12, (rel(o_c, o_r), rel(s_c, s_r))
+    ((o_r * do).sum() + (s_r * dht).sum()).backward()
+    grads = reference.chunk16_kda_backward(q, k, v, g, beta, do, initial_state=h0, dht=dht, cu_seqlens=cu)
+    for name, got, leaf in zip(("q", "k", "v", "g", "beta", "h0"), grads, leaves):
+        assert torch.isfinite(got).all() and torch.isfinite(leaf.grad).all(), name
+        assert reference.relative_rms(got, leaf.grad) < 1e-12, name

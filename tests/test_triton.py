@@ -295,3 +295,25 @@ def test_chunk_tables_keep_the_recent_layouts_and_every_captured_one(monkeypatch
     assert lengths == [2, 4, 5], "the least recently used layouts go first"
     assert common.chunk_tables(p[0]) is captured, "a captured layout is kept for good"
     assert common.chunk_tables(p[1]) is kept[0] and common.chunk_tables(p[1]) is kept[0]
+
+
+@pytest.mark.parametrize(
+    "gate, value",
+    [("precomputed", float("-inf")), ("precomputed", -1e30), ("precomputed", -300.0), ("softplus", float("inf")),
+     ("softplus", 1e30)],
+)  # fmt: skip
+def test_hard_resets_are_exact(gate, value):
+    """A log-decay of -inf (or below reference.HARD_RESET; the softplus gate of an infinite or
+    huge input) zeroes its key channel exactly: float32-exact against the float64 token loop,
+    finite, on Triton and the torch chunk form. Resets on a chunk's first and last rows, twice
+    in a chunk, in every channel of one row, in a second sequence."""
+    case = make_case(seq_lens=[40, 7, 16], H=1, HV=2, K=16, V=16, gate=gate, device=DEVICE, seed=51)
+    for t, hv, channels in ((0, 0, [0]), (5, 1, [1, 2]), (9, 0, [1]), (15, 0, [3]), (16, 1, [3]),
+                            (17, 0, list(range(16))), (44, 1, [5]), (47, 0, [2]), (62, 1, [6])):  # fmt: skip
+        case.g[0, t, hv, channels] = value
+    o_ref, ht_ref = fp64_reference(case)
+    assert torch.isfinite(o_ref).all() and torch.isfinite(ht_ref).all()
+    for backend in ("triton", "torch"):
+        o, ht = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
+        assert_close_fp64(o, o_ref, 1e-4, f"{backend} o")
+        assert_close_fp64(ht, ht_ref, 1e-4, f"{backend} final state")

@@ -51,10 +51,16 @@ def gate_lower_bound(
     return lower_bound * torch.sigmoid(x)
 
 
+# The softplus gate's output is held at or above this: a hard reset either way (far below
+# HARD_RESET), but finite, so that its gradients (dA_log = sum dg g) never form 0 * inf.
+GATE_FLOOR = -1e30
+
+
 def gate_softplus(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """The unbounded gate: ``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, in ``(-inf, 0]``."""
+    """The unbounded gate: ``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, in
+    ``[GATE_FLOOR, 0]``."""
     x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
-    return -A_log.to(g_raw.dtype).exp().unsqueeze(-1) * F.softplus(x)
+    return (-A_log.to(g_raw.dtype).exp().unsqueeze(-1) * F.softplus(x)).clamp(min=GATE_FLOOR)
 
 
 def beta_from_logits(b: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
@@ -197,18 +203,56 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return (eye - A) @ (eye + A2) @ (eye + A4) @ (eye + A8)
 
 
-def pairwise_decay(G: torch.Tensor) -> torch.Tensor:
-    """``exp(G_i - G_j)`` for ``j <= i`` (0 above the diagonal), shape ``[..., C, C, K]``.
+# A log-decay below this is a hard reset of its key channel: exp(-104) = 6.8e-46 is under half
+# of float32's smallest subnormal, so float32 rounds every decay through such a step to 0,
+# exactly as for g = -inf (spec section 9). The cumulative sums skip these steps and count
+# them instead, so that no -inf - (-inf), no 0 * inf and no difference of two huge sums (g =
+# -1e30) is ever formed: a decay across a reset is 0, one within a stretch between resets is
+# the exponential of a finite sum.
+HARD_RESET = -104.0
 
-    Formed from the difference directly, so every exponent is <= 0: exact for any gate,
-    the unbounded softplus one included. (The kernels factor it as two decayed operands
-    where the range allows; see ``docs/algorithm.md``.)
-    """
-    C = G.shape[-2]
+
+@dataclass
+class ChunkDecays:
+    """A chunk's decays, reset-aware: ``G`` the cumulative log-decay without the reset steps,
+    ``R`` how many resets up to each row (``[..., C, K]`` both), and the exponentials the
+    chunk form needs: ``pair`` ``exp(G_i - G_j)`` for ``j <= i`` ``[..., C, C, K]``, ``from_start``
+    ``exp(G_i)`` (since the chunk start), ``to_end`` ``exp(G_last - G_i)``, ``whole``
+    ``exp(G_last)`` ``[..., K]``; each 0 where a reset lies in between."""
+
+    G: torch.Tensor
+    R: torch.Tensor
+    reset: torch.Tensor
+    pair: torch.Tensor
+    from_start: torch.Tensor
+    to_end: torch.Tensor
+    whole: torch.Tensor
+
+
+def chunk_decays(g: torch.Tensor) -> ChunkDecays:
+    """:class:`ChunkDecays` of ``g [..., C, K]`` (one chunk's log-decays).
+
+    The pairwise decays are formed from the differences directly, so every exponent is <= 0:
+    exact for any gate, the unbounded softplus one included. (The kernels factor them as two
+    decayed operands where the range allows; see ``docs/algorithm.md``.)"""
+    C = g.shape[-2]
+    reset = g < HARD_RESET  # NaN compares False: a NaN gate stays NaN
+    G = g.masked_fill(reset, 0.0).cumsum(-2)
+    R = reset.to(g.dtype).cumsum(-2)
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., i, j, K] = G_i - G_j
-    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    diff = diff.masked_fill(~causal.unsqueeze(-1), float("-inf"))
-    return diff.exp()
+    causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril().unsqueeze(-1)
+    within = causal & (R.unsqueeze(-2) == R.unsqueeze(-3))
+    pair = diff.masked_fill(~within, float("-inf")).exp()
+    G_last, R_last = G[..., -1:, :], R[..., -1:, :]
+    return ChunkDecays(
+        G=G,
+        R=R,
+        reset=reset,
+        pair=pair,
+        from_start=G.masked_fill(R > 0, float("-inf")).exp(),
+        to_end=(G_last - G).masked_fill(R_last != R, float("-inf")).exp(),
+        whole=G_last.masked_fill(R_last > 0, float("-inf")).exp().squeeze(-2),
+    )
 
 
 def prepare_chunk(
@@ -220,21 +264,20 @@ def prepare_chunk(
 ) -> ChunkOperands:
     """The token-parallel stage for one chunk: ``q, k, g [HV, C, K]``, ``beta [HV, C]``."""
     C = q.shape[-2]
-    G = g.cumsum(-2)  # G_i = g_1 + ... + g_i
-    decay = pairwise_decay(G)  # [HV, C, C, K]
+    e = chunk_decays(g)  # G_i = g_1 + ... + g_i, resets apart
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    A = torch.einsum("hid,hjd,hijd->hij", k, k, decay) * beta.unsqueeze(-1)
+    A = torch.einsum("hid,hjd,hijd->hij", k, k, e.pair) * beta.unsqueeze(-1)
     A = A.masked_fill(~strict, 0.0)
-    M = scale * torch.einsum("hid,hjd,hijd->hij", q, k, decay)
+    M = scale * torch.einsum("hid,hjd,hijd->hij", q, k, e.pair)
     inverse_beta = unit_lower_inverse(A) * beta.unsqueeze(-2)  # (I+A)^-1 Diag(beta)
-    k_decayed = k * G.exp()  # K~
+    k_decayed = k * e.from_start  # K~
     return ChunkOperands(
-        q_decayed=scale * q * G.exp(),
+        q_decayed=scale * q * e.from_start,
         w=inverse_beta @ k_decayed,
         inverse_beta=inverse_beta,
         M=M,
-        k_restored=k * (G[..., -1:, :] - G).exp(),
-        gamma=G[..., -1, :].exp(),
+        k_restored=k * e.to_end,
+        gamma=e.whole,
     )
 
 
@@ -344,20 +387,20 @@ def prepare_chunk_backward(
 
     ``inverse_beta = T Diag(beta)`` with ``T = (I + A)^-1``, ``dA = -T^T dT T^T``;
     ``A = Diag(beta) (K~ Kinv^T)`` and ``M = Q~ Kinv^T`` restricted to their triangles, with
-    ``Kinv = k exp(-G)``, written here through :func:`pairwise_decay` so that no exponent is
+    ``Kinv = k exp(-G)``, written here through :func:`chunk_decays` so that no exponent is
     positive; ``G = cumsum(g)``, so dg is the reverse cumulative sum of dG (plus the terms of
     ``G_last``, which every row's g enters).
     """
     C = q.shape[-2]
-    G = g.cumsum(-2)
-    decay = pairwise_decay(G)  # [HV, i, j, K] = exp(G_i - G_j), j <= i
+    e = chunk_decays(g)
+    decay = e.pair  # [HV, i, j, K] = exp(G_i - G_j), j <= i
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     A_unit = torch.einsum("hid,hjd,hijd->hij", k, k, decay).masked_fill(~strict, 0.0)  # A without beta
     T = unit_lower_inverse(A_unit * beta.unsqueeze(-1))
     inverse_beta = T * beta.unsqueeze(-2)
-    eG, eG_last = G.exp(), G[..., -1:, :].exp()
+    eG, eG_last = e.from_start, e.whole.unsqueeze(-2)
     k_decayed = k * eG
-    k_restored = k * (G[..., -1:, :] - G).exp()
+    k_restored = k * e.to_end
     q_decayed = scale * q * eG
 
     # w = inverse_beta K~
@@ -386,13 +429,14 @@ def prepare_chunk_backward(
     dG_pair_col = k * col
 
     dq = scale * eG * d.q_decayed + pair_q + dM_diag * k
-    dk = eG * d_k_decayed + pair_k + col + (G[..., -1:, :] - G).exp() * d.k_restored + dM_diag * q
+    dk = eG * d_k_decayed + pair_k + col + e.to_end * d.k_restored + dM_diag * q
     dG = d.q_decayed * q_decayed + d_k_decayed * k_decayed + dG_pair - dG_pair_col
     # dg_t sums dG_i over rows i >= t; K^_i's exponent G_last - G_i is the sum of the g_t with
     # t > i (a sum over the rows before t), gamma's exponent G_last the sum of every row's g
     P = d.k_restored * k_restored
     dg = dG.flip(-2).cumsum(-2).flip(-2) + (P.cumsum(-2) - P) + (d.gamma * eG_last.squeeze(-2)).unsqueeze(-2)
-    return dq, dk, dg, dbeta
+    # a reset step's decay is 0 for every g below HARD_RESET: no gradient
+    return dq, dk, dg.masked_fill(e.reset, 0.0), dbeta
 
 
 def chunk16_kda_backward(

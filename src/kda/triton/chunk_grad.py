@@ -43,7 +43,16 @@ import triton
 import triton.language as tl
 
 from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting
-from kda.triton.prepare import EXP2_LIMIT, _row, chunk_operands, chunk_position, load_gate_beta, load_qk
+from kda.triton.prepare import (
+    EXP2_LIMIT,
+    HARD_RESET,
+    _row,
+    chunk_operands,
+    chunk_position,
+    load_gate_beta,
+    load_qk,
+    pair_decay,
+)
 from kda.triton.recurrence import _mm
 
 ROWS = tl.constexpr(CHUNK)
@@ -57,14 +66,13 @@ def _col(x, rows, j):
 
 
 @triton.jit
-def _pairs_factored(dAu, dM, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION: tl.constexpr):
+def _pairs_factored(dAu, dM, b_qd, b_kd, b_kinv, G2, decay, scale, DOT_PRECISION: tl.constexpr):
     """The A and M terms through their factored form ``A_unit = K~ Kinv^T``, ``M = Q~ Kinv^T``:
-    ``(dq, dk, dG)`` shares, exact while every ``exp(-G)`` is in range."""
+    ``(dq, dk, dG)`` shares, exact while every ``exp(-G)`` is in range and no reset is met."""
     dqd_m = tl.dot(dM, b_kinv, input_precision=DOT_PRECISION)
     dkd_a = tl.dot(dAu, b_kinv, input_precision=DOT_PRECISION)
     dkinv = tl.dot(tl.trans(dAu), b_kd, input_precision=DOT_PRECISION)
     dkinv += tl.dot(tl.trans(dM), b_qd, input_precision=DOT_PRECISION)
-    decay = tl.exp2(G2)
     dq = scale * decay * dqd_m
     dk = decay * dkd_a + tl.exp2(tl.minimum(-G2, EXP2_LIMIT)) * dkinv
     dG = dqd_m * b_qd + dkd_a * b_kd - dkinv * b_kinv
@@ -72,7 +80,7 @@ def _pairs_factored(dAu, dM, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION: tl.co
 
 
 @triton.jit
-def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
+def _pairs_direct(dAu, dM, b_q, b_k, G2, R, scale, rows):
     """The same shares pair by pair, ``exp2(G2_i - G2_j)`` formed from the difference (every
     exponent <= 0): for chunks whose decay passes the factored form's range."""
     dq = tl.zeros(b_q.shape, dtype=tl.float32)
@@ -80,7 +88,7 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, scale, rows):
     dG = tl.zeros(b_q.shape, dtype=tl.float32)
     for j in tl.range(0, ROWS):  # not unrolled: this rare path would cost half a minute of compile
         k_j = _row(b_k, rows, j)
-        d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # rows i < j carry zero gradients
+        d_ij = pair_decay(G2, R, rows, j)  # rows i < j carry zero gradients
         a = _col(dAu, rows, j)
         m = _col(dM, rows, j) * scale
         kd_j = k_j[None, :] * d_ij
@@ -257,7 +265,7 @@ def chunk_input_grads_kernel(
             g, beta, A_log, dt_bias, tok, row_ok, rows_k, k_ok, i_hv, HV, K, lower_bound, beta_scale,
             GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
         )  # fmt: skip
-        G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
+        G2, R, decay, to_end, whole, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
             b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
         )
         # dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T; dO V^T and
@@ -283,16 +291,17 @@ def chunk_input_grads_kernel(
         d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], d_M, 0.0), axis=1) * scale
         d_M = tl.where(rows[:, None] > rows[None, :], d_M, 0.0)
         if SAFE:
-            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
+            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
+                                                        DOT_PRECISION)  # fmt: skip
         elif any_far:
-            dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, scale, rows)
+            dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, R, scale, rows)
         else:
-            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, scale, DOT_PRECISION)
+            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
+                                                        DOT_PRECISION)  # fmt: skip
 
-        decay = tl.exp2(G2)
         d_kr = tl.load(d_operands + 2 * plane + ws * ROWS * BK + tile)
         dq_hat += scale * decay * d_qd + dq_pair + d_M_diag[:, None] * b_k
-        dk_hat += decay * d_kd + tl.exp2(G2_last[None, :] - G2) * d_kr + dk_pair + d_M_diag[:, None] * b_q
+        dk_hat += decay * d_kd + to_end * d_kr + dk_pair + d_M_diag[:, None] * b_q
         # dg_t = sum over rows i >= t of dG_i (G = cumsum(g)), plus the terms whose exponent is a
         # sum of later rows: K^_i's exp(G_last - G_i) takes every g_t with t > i (a prefix sum
         # over i < t, formed as a product with the strictly lower ones: written as G_last minus
@@ -300,7 +309,9 @@ def chunk_input_grads_kernel(
         dG = d_qd * b_qd + d_kd * b_kd + dG_pair
         earlier = tl.where(rows[:, None] > rows[None, :], 1.0, 0.0)
         d_g = tl.cumsum(dG, axis=0, reverse=True) + tl.dot(earlier, d_kr * b_kr, input_precision="ieee")
-        d_g += (tl.load(d_gamma_in + ws * BK + rows_k) * tl.exp2(G2_last))[None, :]
+        d_g += (tl.load(d_gamma_in + ws * BK + rows_k) * whole)[None, :]
+        if not SAFE:  # a reset step's decay is 0 for every g below HARD_RESET: no gradient
+            d_g = tl.where(b_g < HARD_RESET, 0.0, d_g)
 
         # ---- the in-kernel activations
         io_k = (tok[:, None] * HV + i_hv) * K + rows_k[None, :]

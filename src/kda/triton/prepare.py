@@ -29,12 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.reference import GATE_FLOOR as _GATE_FLOOR
+from kda.reference import HARD_RESET as _HARD_RESET
 from kda.triton.common import CHUNK, autotune_configs
 
 ROWS = tl.constexpr(CHUNK)
 LOG2E = tl.constexpr(1.4426950408889634)
 EXP2_LIMIT = tl.constexpr(116.0)  # 2^116 * |k| stays far below the float32 maximum 2^128
 L2NORM_EPS = tl.constexpr(1e-6)
+HARD_RESET = tl.constexpr(_HARD_RESET)  # a log-decay below it zeroes its channel (reference.HARD_RESET)
+GATE_FLOOR = tl.constexpr(_GATE_FLOOR)  # the softplus gate's floor (reference.GATE_FLOOR)
 
 
 @triton.jit
@@ -50,12 +54,20 @@ def _row(x, rows, i):
 
 
 @triton.jit
+def pair_decay(G2, R, rows, j):
+    """``exp(G_i - G_j)`` of every row i against row j (every exponent <= 0; rows i < j give
+    1 and are masked by the caller), 0 where a hard reset lies between them."""
+    d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))
+    return tl.where(_row(R, rows, j)[None, :] == R, d_ij, 0.0)
+
+
+@triton.jit
 def _gate(x, a, lower_bound, GATE: tl.constexpr):
     """The in-kernel gate of ``x = g_raw + dt_bias`` with ``a = exp(A_log)`` (1 without A_log):
     ``lb * sigmoid(a x)`` (GATE 1) or ``-a softplus(x)`` (GATE 2)."""
     if GATE == 1:
         return lower_bound * tl.sigmoid(a * x)
-    return -a * _softplus(x)
+    return tl.maximum(-a * _softplus(x), GATE_FLOOR)  # finite: no 0 * inf in the gradients
 
 
 @triton.jit
@@ -104,16 +116,28 @@ def load_gate_beta(
 @triton.jit
 def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Everything of one chunk that does not depend on the state (spec section 2), float32:
-    ``(G2, G2_last, Q~, K~, K^, Kinv, A_unit, M, T, inverse_beta, w, any_far)`` with G2 the
-    cumulative log-decay in base 2, ``Kinv = k exp(-G)`` (clamped at 2^EXP2_LIMIT), ``A_unit``
-    the strictly lower A without beta, ``T = (I + A)^-1`` and ``any_far`` whether some row
-    passed the limit (and took the pairwise recompute)."""
-    G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
+    ``(G2, R, decay, to_end, whole, Q~, K~, K^, Kinv, A_unit, M, T, inverse_beta, w, any_far)``
+    with G2 the cumulative log-decay in base 2 without the hard-reset steps (g < HARD_RESET,
+    ``reference.chunk_decays``), R the resets up to each row, ``decay = exp(G)``, ``to_end =
+    exp(G_last - G)`` and ``whole = exp(G_last)`` (each 0 across a reset), ``Kinv = k exp(-G)``
+    (clamped at 2^EXP2_LIMIT), ``A_unit`` the strictly lower A without beta, ``T = (I + A)^-1``
+    and ``any_far`` whether some row passed the limit or a reset (and took the pairwise
+    recompute)."""
+    if SAFE:  # the lower-bound gate: g >= lb >= -5, never a reset
+        G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
+        R = tl.zeros(b_g.shape, dtype=tl.float32)
+    else:
+        reset = b_g < HARD_RESET
+        G2 = tl.cumsum(tl.where(reset, 0.0, b_g), axis=0) * LOG2E
+        R = tl.cumsum(reset.to(tl.float32), axis=0)
     G2_last = _row(G2, rows, ROWS - 1)
-    decay = tl.exp2(G2)
+    R_last = _row(R, rows, ROWS - 1)
+    decay = tl.where(R > 0, 0.0, tl.exp2(G2))
+    to_end = tl.where(R_last[None, :] == R, tl.exp2(G2_last[None, :] - G2), 0.0)  # exponent <= 0
+    whole = tl.where(R_last > 0, 0.0, tl.exp2(G2_last))
     b_qd = b_q * decay * scale  # Q~
     b_kd = b_k * decay  # K~
-    b_kr = b_k * tl.exp2(G2_last[None, :] - G2)  # K^, exponent <= 0
+    b_kr = b_k * to_end  # K^
     b_kinv = b_k * tl.exp2(tl.minimum(-G2, EXP2_LIMIT))  # k exp(-G), exact on rows within the limit
 
     b_A = tl.dot(b_kd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
@@ -121,14 +145,16 @@ def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_P
     any_far = False
     if not SAFE:
         # Row i only needs columns j <= i, whose -G_j <= -G_i: a row within the limit is exact.
-        row_far = tl.min(G2, axis=1) < -EXP2_LIMIT
+        # A row past a reset pairs with the columns after it, which the factored form cannot
+        # tell from the ones before: it takes the pairwise path too.
+        row_far = (tl.min(G2, axis=1) < -EXP2_LIMIT) | (tl.max(R, axis=1) > 0)
         any_far = tl.max(row_far.to(tl.int32), axis=0) > 0
         if any_far:
             A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
             M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
             for j in tl.static_range(ROWS):
                 k_j = _row(b_k, rows, j)
-                d_ij = tl.exp2(tl.minimum(G2 - _row(G2, rows, j)[None, :], 0.0))  # exp(G_i - G_j), rows i >= j
+                d_ij = pair_decay(G2, R, rows, j)
                 a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
                 m_col = tl.sum(b_q * (k_j[None, :] * d_ij), axis=1) * scale
                 A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
@@ -150,7 +176,7 @@ def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_P
     inv = tl.dot(inv, eye + A8, input_precision="ieee")
     b_ib = inv * b_beta[None, :]  # (I + A)^-1 Diag(beta)
     b_w = tl.dot(b_ib, b_kd, input_precision=DOT_PRECISION)
-    return G2, G2_last, b_qd, b_kd, b_kr, b_kinv, b_Au, b_M, inv, b_ib, b_w, any_far
+    return G2, R, decay, to_end, whole, b_qd, b_kd, b_kr, b_kinv, b_Au, b_M, inv, b_ib, b_w, any_far
 
 
 @triton.jit
@@ -193,7 +219,7 @@ def prepare_chunks_kernel(
         g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
         GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
     )  # fmt: skip
-    _, G2_last, b_qd, _, b_kr, _, _, b_M, _, b_ib, b_w, _ = chunk_operands(
+    _, _, _, _, whole, b_qd, _, b_kr, _, _, b_M, _, b_ib, b_w, _ = chunk_operands(
         b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
     )
 
@@ -205,7 +231,7 @@ def prepare_chunks_kernel(
     square = (i_c * HV + i_hv) * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
     tl.store(inverse_beta + square, b_ib)
     tl.store(M + square, b_M)
-    tl.store(gamma + (i_c * HV + i_hv) * BK + cols, tl.exp2(G2_last))
+    tl.store(gamma + (i_c * HV + i_hv) * BK + cols, whole)
 
 
 def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) -> dict[str, torch.Tensor]:
