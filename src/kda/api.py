@@ -103,6 +103,9 @@ def fused_recurrent_kda(
     *,
     backend: str = "auto",
     final_state_dtype: torch.dtype | None = None,
+    inplace_final_state: bool = False,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention forward, token by token (decode shapes).
@@ -111,7 +114,33 @@ def fused_recurrent_kda(
     ``dt_bias`` are positional here, as in fla), so a prefill's final state feeds decode
     directly. The ``torch`` backend runs the token-by-token reference; the others run their
     chunked kernels, which compute the same function.
+
+    State pools (serving, spec section 7): with ``inplace_final_state=True``,
+    ``initial_state`` is a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``;
+    float32) updated in place, and the call returns ``(o, pool)``. ``ssm_state_indices``
+    ``[N]`` (int32 or int64): sequence n starts from and ends in ``pool[idx[n]]``; ``[N, S]``
+    (speculative decoding, S at least the longest sequence): it starts from ``pool[idx[n,
+    num_accepted_tokens[n] - 1]]`` (``idx[n, 0]`` without ``num_accepted_tokens``) and the
+    state after its t-th token is written to ``pool[idx[n, t]]``. Without indices sequence n
+    is slot n. An index outside ``[0, P)`` (negative: padding) is no slot: the sequence
+    starts from zeros and nothing is written. Slots not named are never touched. The index
+    values are read on the device only (no host synchronisation); Triton runs pools in one
+    launch (``kda.triton.decode``), torch in its token loop.
     """
+    if inplace_final_state or ssm_state_indices is not None or num_accepted_tokens is not None:
+        if not inplace_final_state:
+            raise ValueError("`ssm_state_indices` / `num_accepted_tokens` need `inplace_final_state=True` "
+                             "(the pool in `initial_state` is updated in place)")  # fmt: skip
+        if initial_state is None:
+            raise ValueError("`inplace_final_state=True` needs the state pool in `initial_state`")
+        problem = validation.check_problem(
+            "fused_recurrent_kda", q, k, v, g, beta, scale, None, False,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
+            lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+        )  # fmt: skip
+        problem.requires_grad = problem.requires_grad or initial_state.requires_grad
+        problem = validation.check_pool(problem, initial_state, ssm_state_indices, num_accepted_tokens)
+        return dispatch.select(problem, backend).run(problem)
     problem = validation.check_problem(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,

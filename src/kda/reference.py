@@ -171,6 +171,57 @@ def _each_sequence(
     return o, (final if output_final_state else None)
 
 
+def pooled_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    pool: torch.Tensor,
+    indices: torch.Tensor | None,
+    accepted: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The token loop through a state pool (spec section 7), in place: ``pool [P, HV, K, V]``.
+
+    ``indices`` None: sequence n starts from and ends in slot n. 1-D ``[N]``: from and to
+    ``pool[indices[n]]``. 2-D ``[N, S]``: from ``pool[indices[n, accepted[n] - 1]]``
+    (``indices[n, 0]`` without ``accepted``), and the state after its t-th token goes to
+    ``pool[indices[n, t]]``. An index outside ``[0, P)`` is no slot: the sequence starts from
+    zeros, nothing is written. Returns o; the pool is updated in place."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    P, dtype = pool.shape[0], q.dtype
+    scale = K**-0.5 if scale is None else scale
+    q, k = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    o = torch.zeros(B, T, HV, V, dtype=dtype, device=q.device)
+    idx = None if indices is None else indices.cpu().tolist()
+    nat = None if accepted is None else accepted.cpu().tolist()
+
+    def slot(i: int) -> int | None:
+        return i if 0 <= i < P else None
+
+    for n, (b, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+        if idx is None:
+            first = slot(n)
+        elif isinstance(idx[n], list):
+            first = slot(idx[n][nat[n] - 1 if nat is not None else 0])
+        else:
+            first = slot(idx[n])
+        S = torch.zeros(HV, K, V, dtype=dtype, device=q.device) if first is None else pool[first].to(dtype).clone()
+        for t in range(start, end):
+            o[b, t : t + 1], S = _token_steps(*(x[b, t : t + 1] for x in (q, k, v, g, beta)), S, scale)
+            if idx is not None and isinstance(idx[n], list) and (to := slot(idx[n][t - start])) is not None:
+                pool[to] = S.to(pool.dtype)
+        if idx is None or not isinstance(idx[n], list):
+            to = slot(n) if idx is None else slot(idx[n])
+            if to is not None:
+                pool[to] = S.to(pool.dtype)
+    return o
+
+
 # ----------------------------------------------------------------------------- chunk-16 form
 
 

@@ -64,6 +64,13 @@ class TorchBackend:
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if p.pool is not None:  # the pool is updated in place (a transposed view writes through)
+            pool = p.pool.transpose(-1, -2) if p.state_v_first else p.pool
+            o = reference.pooled_recurrent_kda(
+                *activated_inputs(p, p.state_dtype), p.scale, pool, p.state_indices, p.accepted,
+                p.cu_seqlens_cpu if p.cu_seqlens_cpu is not None else p.cu_seqlens,
+            )  # fmt: skip
+            return o.to(p.q.dtype), p.pool
         o, ht = run_reference(p, p.state_dtype, recurrent=p.op == "fused_recurrent_kda")
         return o.to(p.q.dtype), (None if ht is None else ht.to(p.final_state_dtype))
 

@@ -70,6 +70,12 @@ class Problem:
     V: int
     N: int  # number of sequences (state slots): B, or len(cu_seqlens) - 1
     gate_form: str  # "precomputed" (g is the log-decay), "lower_bound" or "softplus"
+    # State pools (fused_recurrent_kda with inplace_final_state, spec section 7): the pool
+    # (updated in place), the slot indices ([N] or [N, S], or None: slot n) and, with 2-D
+    # indices, the accepted tokens [N]. See check_pool.
+    pool: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
+    accepted: torch.Tensor | None = None
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
@@ -430,3 +436,64 @@ def _check_dict(op: str, args: dict, A_log: object, dt_bias: object, kwargs: dic
         get("lower_bound"), A_log, dt_bias, get("return_intermediate_states", False), get("state_v_first", False),
         get("cu_seqlens"), get("cu_seqlens_cpu"), get("final_state_dtype"), kwargs,
     )  # fmt: skip
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> Problem:
+    """Attach a state pool to ``p`` (a fused_recurrent_kda call checked without its initial
+    state): ``pool`` ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first), contiguous, in
+    the state dtype; ``indices`` None (sequence n is slot n; then P must be N), ``[N]`` or
+    ``[N, S]`` with S at least the longest sequence; ``accepted`` ``[N]``, only with 2-D
+    indices. The index values are not read here (that would synchronise): the kernels treat
+    one outside ``[0, P)`` as no slot."""
+    if p.requires_grad:
+        raise ValueError("state pools (`inplace_final_state=True`) have no backward: call without grad")
+    x = _require_tensor("initial_state", pool)
+    layout = "[P, HV, V, K]" if p.state_v_first else "[P, HV, K, V]"
+    want = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
+    if x.dim() != 4 or tuple(x.shape[1:]) != want:
+        raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={p.HV}, K={p.K}, V={p.V}, "
+                         f"got shape {list(x.shape)}")  # fmt: skip
+    if x.dtype != p.state_dtype:
+        raise TypeError(f"`initial_state` (the state pool) must be {p.state_dtype}, got {x.dtype}")
+    if x.device != p.q.device:
+        _require_device("initial_state", x, p.q.device)
+    if not x.is_contiguous():
+        raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
+    P = x.shape[0]
+    idx = None
+    if indices is None:
+        if accepted is not None:
+            raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
+        if P != p.N:
+            raise ValueError(f"without `ssm_state_indices` sequence n uses slot n: the pool needs N={p.N} slots, "
+                             f"got P={P}")  # fmt: skip
+    else:
+        idx = _require_tensor("ssm_state_indices", indices)
+        if idx.dtype not in INDEX_DTYPES:
+            raise TypeError(f"`ssm_state_indices` must be int32 or int64, got {idx.dtype}")
+        if idx.device != p.q.device:
+            _require_device("ssm_state_indices", idx, p.q.device)
+        longest = p.T if p.cu_seqlens_values is None else max(
+            (b - a for a, b in zip(p.cu_seqlens_values, p.cu_seqlens_values[1:])), default=0
+        )  # fmt: skip
+        if idx.dim() == 1 and idx.shape[0] == p.N:
+            if accepted is not None:
+                raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
+        elif idx.dim() == 2 and idx.shape[0] == p.N and idx.shape[1] >= max(longest, 1):
+            if accepted is not None:
+                acc = _require_tensor("num_accepted_tokens", accepted)
+                if acc.dtype not in INDEX_DTYPES or acc.shape != (p.N,):
+                    raise ValueError(f"`num_accepted_tokens` must be int32 or int64 [N={p.N}], got {acc.dtype} "
+                                     f"{list(acc.shape)}")  # fmt: skip
+                if acc.device != p.q.device:
+                    _require_device("num_accepted_tokens", acc, p.q.device)
+                p.accepted = acc.contiguous()
+        else:
+            raise ValueError(f"`ssm_state_indices` must be [N={p.N}] or [N={p.N}, S] with S >= {max(longest, 1)} "
+                             f"(the longest sequence), got {list(idx.shape)}")  # fmt: skip
+        idx = idx.contiguous()
+    p.pool, p.state_indices = x, idx
+    return p

@@ -88,6 +88,8 @@ class CudaBackend:
         """The first feature of ``p`` the kernels do not cover, or None. Features first,
         then where the tensors live (so the reasons read the same on any machine)."""
         q = p.q
+        if p.pool is not None:
+            return "state pools (the Triton decode kernel takes them)"
         if q.dtype != torch.bfloat16:
             return f"dtype {q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
         if p.K != 128 or p.V != 128:

@@ -99,6 +99,12 @@ class TritonBackend:
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if p.pool is not None:  # decode through a state pool: one launch, in place
+            from kda.triton.decode import pooled_decode
+
+            o = pooled_decode(p, chunk_tables(p))
+            note("triton:pooled_decode")
+            return o, p.pool
         if p.requires_grad or torch.compiler.is_compiling():
             # Through the custom op: autograd gets its backward, torch.compile an opaque node.
             from kda.autograd import chunk_kda_trainable

@@ -1,0 +1,126 @@
+"""Decode through a state pool (spec section 7): the token loop in one launch, each sequence's
+state read from its pool slot once and written back once (or after every token, for
+speculative decoding's 2-D indices).
+
+One program per (V slice, sequence, value head) keeps the slice ``S^T [BV, K]`` in float32
+registers and runs ``reference.pooled_recurrent_kda``'s loop over the sequence's tokens:
+``S = S Diag(exp(g_t))``, ``u = beta_t (v_t - S^T k_t)``, ``S += k_t u^T``, ``o_t = scale S^T q_t``,
+with the gate, beta sigmoid and l2norm applied in the kernel as the flags say.
+
+Slots: ``INDICES`` 0 (none: sequence n is slot n), 1 (``indices [N]``: read and write
+``indices[n]``) or 2 (``indices [N, S]``: read ``indices[n, accepted[n] - 1]`` (column 0
+without ``accepted``), write the state after token t to ``indices[n, t]``). An index outside
+``[0, P)`` is no slot: nothing read (zeros), nothing written, so no index can reach memory
+outside the pool. Indices are read on the device: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda.triton.prepare import L2NORM_EPS, _gate
+
+DECODE_BV = 32  # V columns a program carries; the state slice [BV, K] in float32 registers
+
+
+@triton.jit
+def _in_pool(slot, tile, state_mask, P):
+    """The state tile's mask for ``slot``: empty unless ``0 <= slot < P`` (the slot broadcast
+    to the tile first: the interpreter takes no scalar-and-block masks)."""
+    at = slot + tl.zeros_like(tile)
+    return state_mask & (at >= 0) & (at < P)
+
+
+@triton.jit
+def pooled_decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, pool, indices, accepted, seq_offsets,
+    scale, lower_bound, beta_scale,
+    P, H, HV, K, V, S_COLS,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
+):  # fmt: skip
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(seq_offsets + n)
+    eos = tl.load(seq_offsets + n + 1)
+    rows_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    k_ok = rows_k < K
+    v_ok = cols_v < V
+    state_mask = v_ok[:, None] & k_ok[None, :]
+    if STATE_V_FIRST:  # [P, HV, V, K]
+        tile = i_hv * K * V + cols_v[:, None] * K + rows_k[None, :]
+    else:  # [P, HV, K, V]
+        tile = i_hv * K * V + rows_k[None, :] * V + cols_v[:, None]
+    slot_size = HV * K * V
+
+    if INDICES == 0:
+        first = n
+    elif INDICES == 1:
+        first = tl.load(indices + n).to(tl.int64)
+    else:
+        col = 0
+        if HAS_ACCEPTED:
+            col = tl.load(accepted + n).to(tl.int64) - 1
+        first = tl.load(indices + n * S_COLS + col).to(tl.int64)
+    first_mask = _in_pool(first, tile, state_mask, P)
+    St = tl.load(pool + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
+
+    a = 1.0
+    if GATE != 0 and HAS_A_LOG:
+        a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.zeros([BK], dtype=tl.float32)
+    if GATE != 0 and HAS_DT_BIAS:
+        bias = tl.load(dt_bias + i_hv * K + rows_k, mask=k_ok, other=0.0).to(tl.float32)
+    for t in tl.range(bos, eos):
+        b_q = tl.load(q + (t * H + i_h) * K + rows_k, mask=k_ok, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (t * H + i_h) * K + rows_k, mask=k_ok, other=0.0).to(tl.float32)
+        if L2NORM:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + L2NORM_EPS)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + L2NORM_EPS)
+        b_g = tl.load(g + (t * HV + i_hv) * K + rows_k, mask=k_ok, other=0.0).to(tl.float32)
+        if GATE != 0:
+            b_g = tl.where(k_ok, _gate(b_g + bias, a, lower_bound, GATE), 0.0)
+        b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        if BETA_SIGMOID:
+            b_beta = beta_scale * tl.sigmoid(b_beta)
+        b_v = tl.load(v + (t * HV + i_hv) * V + cols_v, mask=v_ok, other=0.0).to(tl.float32)
+        St = St * tl.exp(b_g)[None, :]
+        u = b_beta * (b_v - tl.sum(St * b_k[None, :], axis=1))
+        St = St + u[:, None] * b_k[None, :]
+        b_o = tl.sum(St * b_q[None, :], axis=1) * scale
+        tl.store(o + (t * HV + i_hv) * V + cols_v, b_o.to(o.dtype.element_ty), mask=v_ok)
+        if INDICES == 2:
+            to = tl.load(indices + n * S_COLS + (t - bos)).to(tl.int64)
+            to_mask = _in_pool(to, tile, state_mask, P)
+            tl.store(pool + to * slot_size + tile, St.to(pool.dtype.element_ty), mask=to_mask)
+    if INDICES != 2:
+        tl.store(pool + first * slot_size + tile, St.to(pool.dtype.element_ty), mask=first_mask)
+
+
+def pooled_decode(p, tables) -> torch.Tensor:
+    """Run ``p`` (a checked call with ``p.pool``) through the pool in place; returns o."""
+    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
+    N = tables.seq_offsets.shape[0] - 1
+    if N * p.HV == 0 or p.T == 0:
+        return o
+    idx = p.state_indices
+    mode = 0 if idx is None else idx.dim()
+    gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
+    BV = min(DECODE_BV, triton.next_power_of_2(p.V))
+    pooled_decode_kernel[(triton.cdiv(p.V, BV), N * p.HV)](
+        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, p.pool, idx, p.accepted, tables.seq_offsets,
+        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+        p.pool.shape[0], p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
+        BK=tables.BK, BV=BV,
+        GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
+        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=4,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,166 @@
+"""State pools (spec section 7): fused_recurrent_kda(..., inplace_final_state=True,
+ssm_state_indices=, num_accepted_tokens=) reads and writes a pool of states in place, on the
+Triton decode kernel (the interpreter on CPU) and the torch token loop. Every slot not named is
+poisoned and checked untouched bit for bit; padding and out-of-range indices touch nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kda
+from helpers import AUTO, DEVICE, make_case, rel
+
+BACKENDS = ("torch", AUTO)  # AUTO: Triton's decode kernel (by name on CPU, auto on a GPU)
+BAR = 1e-5  # float32 against the float64 token loop
+
+
+def pool_case(lens, P, seed, layout=False, gate="softplus", HV=4):
+    case = make_case(seq_lens=lens, H=2, HV=HV, K=16, V=24, gate=gate, state_v_first=layout, device=DEVICE, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (P, HV, 24, 16) if layout else (P, HV, 16, 24)
+    pool = torch.randn(shape, generator=gen).to(DEVICE)
+    return case, pool
+
+
+def decode_kwargs(case):
+    """The case's flags for fused_recurrent_kda, without its state arguments."""
+    kw = case.kwargs()
+    for name in ("safe_gate", "initial_state", "output_final_state"):
+        kw.pop(name, None)
+    return kw
+
+
+def start_states(pool, slots):
+    """The state each sequence starts from: its slot's, or zeros for no slot."""
+    P = pool.shape[0]
+    return torch.stack([pool[s] if 0 <= s < P else torch.zeros_like(pool[0]) for s in slots])
+
+
+def plain_decode(case, h0):
+    """The same tokens through fused_recurrent_kda without a pool: float64 token loop."""
+    c64 = case.to(torch.float64, "cpu")
+    kw = decode_kwargs(c64)
+    return kda.fused_recurrent_kda(*c64.tensors(), initial_state=h0.double().cpu(), output_final_state=True,
+                                   backend="torch", **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, index_dtype):
+    """Slots 5, 2 and 0 serve three sequences, -1 is padding (starts from zeros, writes
+    nothing), 9 is out of range (P = 7: the same, and no memory outside the pool)."""
+    lens, slots = [3, 1, 2, 4, 2], [5, -1, 2, 9, 0]
+    case, pool = pool_case(lens, P=7, seed=61, layout=layout)
+    before = pool.clone()
+    idx = torch.tensor(slots, dtype=index_dtype, device=DEVICE)
+    with kda.record_dispatch() as events:
+        o, out = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                         ssm_state_indices=idx, backend=backend, **decode_kwargs(case))  # fmt: skip
+    assert out is pool
+    if backend != "torch":
+        assert "triton:pooled_decode" in events, events
+    o_ref, ht_ref = plain_decode(case, start_states(before, slots))
+    assert rel(o, o_ref) <= BAR
+    for n, s in enumerate(slots):
+        if 0 <= s < 7:
+            assert rel(pool[s], ht_ref[n]) <= BAR, (n, s)
+    untouched = [s for s in range(7) if s not in slots]
+    assert torch.equal(pool[untouched], before[untouched]), "a slot not named changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_d_indices_with_accepted_tokens(backend):
+    """Speculative decoding: sequence 0 (3 tokens) starts from idx[0, accepted - 1] = slot 0 and
+    writes its states after tokens 0, 1, 2 to slots 4, 0, 6; sequence 1 (2 tokens) starts from
+    slot 1 and writes slots 1, 3; a padding column writes nothing."""
+    lens, P = [3, 2], 8
+    case, pool = pool_case(lens, P=P, seed=62)
+    before = pool.clone()
+    idx = torch.tensor([[4, 0, 6, -1], [1, 3, -1, -1]], device=DEVICE)
+    accepted = torch.tensor([2, 1], device=DEVICE)
+    o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                   ssm_state_indices=idx, num_accepted_tokens=accepted, backend=backend,
+                                   **decode_kwargs(case))  # fmt: skip
+    o_ref, _ = plain_decode(case, start_states(before, [0, 1]))
+    assert rel(o, o_ref) <= BAR
+    # the state after each token, from plain decodes of the prefixes
+    for n, (start, writes) in enumerate(((0, [4, 0, 6]), (1, [1, 3]))):
+        for t, slot in enumerate(writes):
+            offset = sum(lens[:n])
+            prefix = {name: getattr(case, name)[:, offset : offset + t + 1] for name in ("q", "k", "v", "g", "beta")}
+            _, ht = plain_decode(dataclasses.replace(case, cu_seqlens=None, **prefix), before[start : start + 1])
+            assert rel(pool[slot], ht[0]) <= BAR, (n, t, slot)
+    assert torch.equal(pool[[2, 5, 7]], before[[2, 5, 7]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_then_decode_through_the_pool_equals_one_prefill(backend):
+    """chunk_kda's final state, put in slot 3, then two decode steps through the pool: the same
+    outputs and final state as one prefill of every token."""
+    T, cut = 37, 35
+    case = make_case(T=T, H=2, HV=4, K=16, V=24, gate="softplus", device=DEVICE, seed=63)
+    kw = case.kwargs()
+    o_all, ht_all = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
+    head = [x[:, :cut] for x in case.tensors()]
+    _, ht_head = kda.chunk_kda(*head, backend=backend, **kw)
+    pool = torch.randn(5, *ht_head.shape[1:], device=DEVICE)
+    pool[3] = ht_head[0]
+    tail = [x[:, cut:].contiguous() for x in case.tensors()]
+    dkw = {n: x for n, x in kw.items() if n not in ("safe_gate", "initial_state", "output_final_state")}
+    o_tail, _ = kda.fused_recurrent_kda(*tail, initial_state=pool, inplace_final_state=True,
+                                        ssm_state_indices=torch.tensor([3], device=DEVICE), backend=backend,
+                                        **dkw)  # fmt: skip
+    assert rel(o_tail, o_all[:, cut:]) <= 1e-4
+    assert rel(pool[3], ht_all[0]) <= 1e-4
+
+
+def test_in_place_without_indices_is_slot_n():
+    case, pool = pool_case([2, 3], P=2, seed=64)
+    before = pool.clone()
+    o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True, backend=AUTO,
+                                   **decode_kwargs(case))  # fmt: skip
+    o_ref, ht_ref = plain_decode(case, before)
+    assert rel(o, o_ref) <= BAR and rel(pool, ht_ref) <= BAR
+
+
+@pytest.mark.parametrize(
+    "over, exc, says",
+    [
+        ({"inplace_final_state": False}, ValueError, "need `inplace_final_state=True`"),
+        ({"ssm_state_indices": torch.tensor([[0, 1]])}, ValueError, "S >= 3"),
+        ({"ssm_state_indices": torch.tensor([0.0, 1.0])}, TypeError, "int32 or int64"),
+        ({"num_accepted_tokens": torch.tensor([1, 1])}, ValueError, "needs 2-D"),
+        ({"initial_state": torch.zeros(4, 4, 16, 23)}, ValueError, "the state pool"),
+        ({"initial_state": torch.zeros(4, 4, 16, 24, dtype=torch.float64)}, TypeError, "the state pool"),
+        ({"initial_state": None}, ValueError, "needs the state pool"),
+        ({"ssm_state_indices": None}, ValueError, "needs N=2 slots"),
+    ],
+)
+def test_pool_arguments_are_checked(over, exc, says):
+    case, pool = pool_case([3, 2], P=4, seed=65)
+    args = dict(initial_state=pool.cpu(), inplace_final_state=True, ssm_state_indices=torch.tensor([0, 1]))
+    args.update(over)
+    c = case.to(device="cpu")
+    with pytest.raises(exc, match=None) as info:
+        kda.fused_recurrent_kda(*c.tensors(), backend="torch", **args, **decode_kwargs(c))
+    assert says in str(info.value), str(info.value)
+
+
+def test_pools_have_no_backward_and_cuda_passes_them_on():
+    from kda.api import checked_problem
+    from kda.cuda import BACKEND
+    from kda.validation import check_pool
+
+    case, pool = pool_case([3, 2], P=4, seed=66)
+    q = case.q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="no backward"):
+        kda.fused_recurrent_kda(q, *case.tensors()[1:], initial_state=pool, inplace_final_state=True,
+                                ssm_state_indices=torch.tensor([0, 1], device=DEVICE),
+                                **decode_kwargs(case))  # fmt: skip
+    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **decode_kwargs(case))
+    p = check_pool(p, pool, torch.tensor([0, 1], device=DEVICE), None)
+    assert BACKEND.rejects(p) == "state pools (the Triton decode kernel takes them)"
