@@ -164,3 +164,62 @@ def test_pools_have_no_backward_and_cuda_passes_them_on():
     p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **decode_kwargs(case))
     p = check_pool(p, pool, torch.tensor([0, 1], device=DEVICE), None)
     assert BACKEND.rejects(p) == "state pools (the Triton decode kernel takes them)"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_into_the_pool(backend):
+    """chunk_kda(initial_state_indices=): sequence n starts from pool[idx[n]] and its final state
+    goes back there; an empty sequence keeps its slot's state; padding (-1) and an index past
+    the pool (9, P = 6) start from zeros and write nothing."""
+    lens, slots, P = [20, 0, 9, 5, 3], [4, 2, -1, 9, 1], 6
+    case = make_case(seq_lens=lens, H=2, HV=4, K=16, V=24, gate="softplus", device=DEVICE, seed=67)
+    pool = torch.randn(P, 4, 16, 24, device=DEVICE)
+    before = pool.clone()
+    idx = torch.tensor(slots, device=DEVICE)
+    kw = case.kwargs()
+    kw.pop("initial_state")
+    kw.pop("output_final_state")
+    o, out = kda.chunk_kda(*case.tensors(), initial_state=pool, initial_state_indices=idx, backend=backend, **kw)
+    assert out is pool
+    c64 = case.to(torch.float64, "cpu")
+    kw64 = {n: x for n, x in c64.kwargs().items() if n not in ("initial_state", "output_final_state")}
+    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), initial_state=start_states(before, slots).double().cpu(),
+                                  output_final_state=True, backend="torch", **kw64)  # fmt: skip
+    assert rel(o, o_ref) <= BAR
+    for n, s in enumerate(slots):
+        if 0 <= s < P:
+            assert rel(pool[s], ht_ref[n]) <= BAR, (n, s)
+    assert torch.equal(pool[[0, 3, 5]], before[[0, 3, 5]])
+
+
+def test_scatter_kernel_writes_valid_slots_only():
+    """The masked copy a GPU prefill uses (kda.triton.decode.scatter_states_kernel), run on its
+    own (under the interpreter on CPU): slots named by valid indices get their states, the rest
+    of the pool keeps its bits."""
+    import triton
+
+    from kda.triton.decode import SCATTER_BLOCK, scatter_states, scatter_states_kernel
+
+    pool = torch.randn(5, 2, 8, 40, device=DEVICE)
+    before = pool.clone()
+    states = torch.randn(4, 2, 8, 40, device=DEVICE)
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
+    if DEVICE == "cuda":
+        scatter_states(pool, idx, states)
+    else:
+        scatter_states_kernel[(4, triton.cdiv(640, SCATTER_BLOCK))](states, pool, idx, 5, SLOT=640, BLOCK=SCATTER_BLOCK)
+    assert torch.equal(pool[3], states[0]) and torch.equal(pool[0], states[2])
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+
+
+@pytest.mark.parametrize(
+    "idx, says",
+    [(torch.tensor([0.0, 1.0]), "int32 or int64"), (torch.tensor([0, 1, 2]), "must be [N=2]")],
+)
+def test_prefill_indices_are_checked(idx, says):
+    case = make_case(seq_lens=[3, 2], H=1, K=16, V=16, seed=68)
+    kw = {n: x for n, x in case.kwargs().items() if n not in ("initial_state", "output_final_state")}
+    with pytest.raises((TypeError, ValueError)) as info:
+        kda.chunk_kda(*case.tensors(), initial_state=torch.zeros(4, 1, 16, 16), initial_state_indices=idx,
+                      backend="torch", **kw)  # fmt: skip
+    assert says in str(info.value), str(info.value)

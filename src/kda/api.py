@@ -32,6 +32,7 @@ def chunk_kda(
     *,
     backend: str = "auto",
     final_state_dtype: torch.dtype | None = None,
+    initial_state_indices: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention forward, chunked (prefill and training shapes).
@@ -67,12 +68,23 @@ def chunk_kda(
             run the call raises :class:`kda.BackendUnavailableError` saying why.
         final_state_dtype: kda only: ``torch.bfloat16`` returns the final state in bfloat16
             (the state is carried in float32 either way); None: float32, as fla.
+        initial_state_indices: kda only, prefill into a state pool (spec section 7):
+            ``initial_state`` is the pool ``[P, HV, K, V]`` (or ``[P, HV, V, K]``), and
+            sequence n starts from ``pool[idx[n]]`` (int32 or int64 ``[N]``) and its final
+            state is written back there; an index outside ``[0, P)`` starts from zeros and
+            writes nothing. Returns ``(o, pool)``; no backward.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in
         ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
         of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
+    if initial_state_indices is not None:
+        return _prefill_into_pool(
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
+            cu_seqlens_cpu, backend, initial_state_indices, kwargs,
+        )  # fmt: skip
     problem = validation.check_problem(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
@@ -147,6 +159,28 @@ def fused_recurrent_kda(
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
     )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
+
+
+def _prefill_into_pool(
+    q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+    allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, backend, indices, kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """chunk_kda with ``initial_state_indices``: gather the slots' states (zeros for no slot),
+    run the call, write the final states back; no host synchronisation on a GPU."""
+    from kda.triton.decode import scatter_states
+
+    N = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens)
+    P = pool.shape[0]
+    ok = (indices >= 0) & (indices < P)
+    h0 = pool.index_select(0, indices.clamp(0, max(P - 1, 0)).long())
+    h0 = torch.where(ok.view(N, 1, 1, 1), h0, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    o, ht = chunk_kda(
+        q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, safe_gate, lower_bound, False, False, state_v_first, cu_seqlens, cu_seqlens_cpu,
+        backend=backend, **kwargs,
+    )  # fmt: skip
+    scatter_states(pool, indices, ht)
+    return o, pool
 
 
 def checked_problem(fn, *args, **kwargs) -> validation.Problem:

@@ -497,3 +497,26 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
         idx = idx.contiguous()
     p.pool, p.state_indices = x, idx
     return p
+
+
+def pool_prefill_sequences(q: object, pool: object, indices: object, cu_seqlens: object) -> int:
+    """Check chunk_kda's ``initial_state_indices`` and its pool (the state's own shape checks
+    follow on the gathered states); returns N, the number of sequences."""
+    x = _require_tensor("initial_state", pool)
+    idx = _require_tensor("initial_state_indices", indices)
+    q = _require_tensor("q", q)
+    N = q.shape[0] if cu_seqlens is None else _require_tensor("cu_seqlens", cu_seqlens).shape[0] - 1
+    if idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"`initial_state_indices` must be int32 or int64, got {idx.dtype}")
+    if idx.shape != (N,):
+        raise ValueError(f"`initial_state_indices` must be [N={N}], got {list(idx.shape)}")
+    if x.dim() != 4:
+        raise ValueError(f"`initial_state` (the state pool) must be 4-D [P, HV, K, V], got {list(x.shape)}")
+    if idx.device != x.device or x.device != q.device:
+        _require_device("initial_state_indices", idx, q.device)
+        _require_device("initial_state", x, q.device)
+    if x.requires_grad or q.requires_grad:
+        raise ValueError("a prefill into a state pool (`initial_state_indices`) has no backward: call without grad")
+    if not x.is_contiguous():
+        raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
+    return N

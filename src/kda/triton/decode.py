@@ -124,3 +124,33 @@ def pooled_decode(p, tables) -> torch.Tensor:
         INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=4,
     )  # fmt: skip
     return o
+
+
+SCATTER_BLOCK = 1024  # state values a program copies
+
+
+@triton.jit
+def scatter_states_kernel(states, pool, indices, P, SLOT: tl.constexpr, BLOCK: tl.constexpr):
+    """``pool[indices[n]] = states[n]`` where ``0 <= indices[n] < P``; nothing elsewhere."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(indices + n).to(tl.int64) + tl.zeros_like(offs).to(tl.int64)
+    mask = (offs < SLOT) & (slot >= 0) & (slot < P)
+    x = tl.load(states + n * SLOT + offs, mask=mask)
+    tl.store(pool + slot * SLOT + offs, x.to(pool.dtype.element_ty), mask=mask)
+
+
+def scatter_states(pool: torch.Tensor, indices: torch.Tensor, states: torch.Tensor) -> None:
+    """Write ``states [N, ...]`` to ``pool[indices]`` in place, skipping indices outside
+    ``[0, P)``, without a host synchronisation (a masked Triton copy on a GPU; on the CPU,
+    where a sync costs nothing, torch's boolean indexing)."""
+    P = pool.shape[0]
+    if not pool.is_cuda:
+        ok = (indices >= 0) & (indices < P)
+        pool[indices[ok].long()] = states[ok].to(pool.dtype)
+        return
+    slot = pool[0].numel()
+    if indices.shape[0] and slot:
+        scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
+            states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
+        )
