@@ -380,6 +380,74 @@ def _chunk_steps(
     return o, S
 
 
+# ----------------------------------------------------------------------------- segments (spec section 8)
+
+
+def chunk_transition(ops: ChunkOperands, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's step as an affine map of the state: ``S_next = A S + b`` with
+    ``A = Diag(gamma) - K^^T w [HV, K, K]`` and ``b = K^^T inverse_beta V [HV, K, V]``
+    (:func:`recurrence_step` with ``U = inverse_beta V - w S`` substituted)."""
+    k_t = ops.k_restored.transpose(-1, -2)
+    A = torch.diag_embed(ops.gamma) - k_t @ ops.w
+    return A, k_t @ (ops.inverse_beta @ v)
+
+
+def segment_transition(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P [HV, K, K], R [HV, K, V])`` of a run of chunks (inputs ``[L, HV, ...]``, cut into
+    chunks of 16 from its start): the state after it is ``P S + R`` for the state S before it.
+    ``P = A_m ... A_1`` and ``R = sum_i A_m ... A_{i+1} b_i``, built chunk by chunk."""
+    HV, K = q.shape[1], q.shape[2]
+    P = torch.eye(K, dtype=q.dtype, device=q.device).expand(HV, K, K).clone()
+    R = torch.zeros(HV, K, v.shape[-1], dtype=q.dtype, device=q.device)
+    for c0 in range(0, q.shape[0], CHUNK):
+        rows = slice(c0, c0 + CHUNK)
+        q_c, k_c, v_c, g_c, beta_c = (x[rows].transpose(0, 1) for x in (q, k, v, g, beta))
+        A, b = chunk_transition(prepare_chunk(q_c, k_c, g_c, beta_c, scale), v_c)
+        P, R = A @ P, A @ R + b
+    return P, R
+
+
+def segmented_chunk16_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    segment_chunks: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk-16 form with each sequence cut into segments of ``segment_chunks`` chunks
+    (spec section 8), :func:`chunk16_kda`'s contract. Three passes: every segment's ``(P, R)``
+    (independent of the others: the parallel part), the boundary states chained through them
+    (``S_{j+1} = P_j S_j + R_j``, one short sequential scan), and every segment run from its
+    true initial state (parallel again)."""
+    if segment_chunks < 1:
+        raise ValueError(f"`segment_chunks` must be >= 1, got {segment_chunks}")
+    span = segment_chunks * CHUNK
+
+    def advance(q, k, v, g, beta, S, scale):
+        starts = list(range(0, q.shape[0], span))
+        pieces = [tuple(x[a : a + span] for x in (q, k, v, g, beta)) for a in starts]
+        transitions = [segment_transition(*piece, scale) for piece in pieces]  # parallel over segments
+        entering = [S]
+        for P, R in transitions[:-1]:  # the scan over segment boundaries
+            entering.append(P @ entering[-1] + R)
+        o = torch.zeros_like(v)
+        for a, piece, S_j in zip(starts, pieces, entering):  # parallel over segments
+            o[a : a + span], _ = _chunk_steps(*piece, S_j, scale)
+        if transitions:
+            P, R = transitions[-1]
+            S = P @ entering[-1] + R
+        return o, S
+
+    return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
 # ----------------------------------------------------------------------------- chunk-16 backward
 
 
