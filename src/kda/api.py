@@ -33,6 +33,7 @@ def chunk_kda(
     backend: str = "auto",
     final_state_dtype: torch.dtype | None = None,
     initial_state_indices: torch.Tensor | None = None,
+    cp_group=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention forward, chunked (prefill and training shapes).
@@ -73,12 +74,32 @@ def chunk_kda(
             sequence n starts from ``pool[idx[n]]`` (int32 or int64 ``[N]``) and its final
             state is written back there; an index outside ``[0, P)`` starts from zeros and
             writes nothing. Returns ``(o, pool)``; no backward.
+        cp_group: kda only, context parallelism (``kda.context_parallel``): a
+            torch.distributed group whose every rank passes its contiguous slice of the
+            tokens of the same B sequences (the same T_local on each); the first rank's
+            initial state starts them; every rank gets its tokens' outputs and the whole
+            sequences' final state. Batched inputs, forward only.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in
         ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
         of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
+    if cp_group is not None:
+        from kda.context_parallel import chunk_kda_context_parallel
+
+        kw = dict(
+            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
+            final_state_dtype=final_state_dtype, **kwargs,
+        )  # fmt: skip
+        if initial_state_indices is not None:
+            raise ValueError("`cp_group` and `initial_state_indices` cannot be combined")
+        return chunk_kda_context_parallel(chunk_kda, cp_group, q, k, v, g, beta, kw)
     if initial_state_indices is not None:
         return _prefill_into_pool(
             q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,

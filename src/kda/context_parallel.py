@@ -1,0 +1,119 @@
+"""Context parallelism across ranks (spec section 8): ``chunk_kda(..., cp_group=group)`` with
+every rank of ``group`` holding its contiguous slice of the tokens of the same B sequences
+(rank r: tokens ``[r T_local, (r + 1) T_local)`` of each, T_local the same on every rank).
+
+The state after a run of tokens is affine in the state before it, ``S_after = P S_before + R``
+(``reference.segment_transition``). Each rank
+
+1. finds its own ``(P, R)`` with the chunk kernels themselves: R is the final state of its
+   tokens run from a zero state, P the final states of its tokens with v = 0 run from the
+   columns of the identity (``ceil(K / V)`` runs: each state holds V columns of P);
+2. all-gathers every rank's ``(P, R)`` in float32 (one collective: ``K x K + K x V`` per
+   sequence and value head) and the first rank's initial state (a broadcast);
+3. folds the earlier ranks' transitions into its initial state and runs its tokens.
+
+Every rank returns its tokens' outputs and the final state of the whole sequence (folded from
+every rank's transition: the same on every rank). The initial state is the first rank's:
+pass it on every rank or on none (its value on other ranks is ignored). Not supported yet:
+``cu_seqlens`` (packed sequences across ranks), inputs that require grad (the reverse chain
+across ranks), fla's ``cp_context``. Collectives run on the group's own timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _fold(P: torch.Tensor, R: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``P S + R`` for KV-layout states ``[B, HV, K, V]``."""
+    return P @ S + R
+
+
+def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("`cp_group` needs an initialised torch.distributed process group")
+    try:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"`cp_group` is not a usable process group: {err}") from None
+    if rank < 0:
+        raise ValueError("`cp_group`: this process is not a member of the group")
+    if kw.get("cu_seqlens") is not None:
+        raise ValueError("`cp_group` with `cu_seqlens` (packed sequences across ranks) is not supported yet")
+    if kw.get("cp_context") is not None:
+        raise ValueError("`cp_group` and fla's `cp_context` are exclusive (kda takes `cp_group`)")
+    # every rank must hold the same shapes: one small all-gather, so a mismatch fails on every rank
+    shape = torch.tensor([*q.shape, *kw["v"].shape[2:]], dtype=torch.int64, device=_device(group, q))
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    if any(not torch.equal(s, shapes[0]) for s in shapes):
+        raise ValueError("`cp_group`: the ranks' slices differ in shape (B, T_local, H, K, HV, V): "
+                         f"{[s.tolist() for s in shapes]}")  # fmt: skip
+    return rank, world
+
+
+def _device(group, like: torch.Tensor) -> torch.device:
+    """Where the group's collectives take tensors: the inputs' device for NCCL, the CPU for gloo."""
+    return like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
+    """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module."""
+    rank, world = _check(group, q, dict(kw, v=v))
+    if any(x.requires_grad for x in (q, k, v, g, beta)) and torch.is_grad_enabled():
+        raise ValueError("`cp_group`: no backward across ranks yet (call without grad)")
+    B, _, _, K = q.shape
+    HV, V = v.shape[2:]
+    v_first = bool(kw.get("state_v_first", False))
+    h0 = kw.pop("initial_state", None)
+    want_final = bool(kw.pop("output_final_state", False))
+    device = _device(group, q)
+
+    def as_kv(x):  # the kernels' layout -> [B, HV, K, V]
+        return x.transpose(-1, -2) if v_first else x
+
+    def from_kv(x):
+        return x.transpose(-1, -2).contiguous() if v_first else x.contiguous()
+
+    # 1. this rank's transition, float32, KV layout
+    zeros = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
+    _, R = chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)
+    R = as_kv(R.float())
+    P = torch.empty(B, HV, K, K, dtype=torch.float32, device=q.device)
+    eye = torch.eye(K, dtype=torch.float32, device=q.device)
+    for c0 in range(0, K, V):
+        cols = min(V, K - c0)
+        start = zeros.clone()
+        start[..., :cols] = eye[:, c0 : c0 + cols]
+        _, out = chunk_kda(q, k, torch.zeros_like(v), g, beta, initial_state=from_kv(start), output_final_state=True,
+                           **kw)  # fmt: skip
+        P[..., c0 : c0 + cols] = as_kv(out.float())[..., :cols]
+
+    # 2. every rank's transition, and the first rank's initial state
+    mine = torch.cat([P, R], dim=-1).to(device)  # [B, HV, K, K + V]
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    has_h0 = torch.tensor([h0 is not None], dtype=torch.int64, device=device)
+    dist.all_reduce(has_h0, group=group)
+    S = torch.zeros(B, HV, K, V, dtype=torch.float32, device=device)
+    if int(has_h0.item()) not in (0, world):
+        raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
+    if int(has_h0.item()):
+        if rank == 0:
+            S = as_kv(h0.float()).to(device).contiguous()
+        dist.broadcast(S, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+    # 3. the earlier ranks folded in, this rank's tokens run from the true state
+    for r in range(rank):
+        S = _fold(every[r][..., :K], every[r][..., K:], S)
+    start = from_kv(S.to(q.device))
+    if h0 is not None:
+        start = start.to(h0.dtype)
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=False, **kw)
+    if not want_final:
+        return o, None
+    for r in range(rank, world):
+        S = _fold(every[r][..., :K], every[r][..., K:], S)
+    final_dtype = kw.get("final_state_dtype") or torch.float32
+    return o, from_kv(S.to(q.device)).to(final_dtype)
