@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from kda import dispatch, validation
+from kda import dispatch, segments, validation
 
 
 def chunk_kda(
@@ -88,15 +88,7 @@ def chunk_kda(
     if cp_group is not None:
         from kda.context_parallel import chunk_kda_context_parallel
 
-        kw = dict(
-            scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
-            final_state_dtype=final_state_dtype, **kwargs,
-        )  # fmt: skip
+        kw = _call_kwargs(locals(), kwargs)
         if initial_state_indices is not None:
             raise ValueError("`cp_group` and `initial_state_indices` cannot be combined")
         return chunk_kda_context_parallel(chunk_kda, cp_group, q, k, v, g, beta, kw)
@@ -112,6 +104,15 @@ def chunk_kda(
         kwargs.get("A_log"), kwargs.get("dt_bias"), return_intermediate_states, state_v_first, cu_seqlens,
         cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
+    span = segments.segment_tokens()
+    if span and not problem.requires_grad and not torch.compiler.is_compiling():
+        lengths = [problem.T] * problem.B if problem.cu_seqlens_values is None else [
+            b - a for a, b in zip(problem.cu_seqlens_values, problem.cu_seqlens_values[1:])
+        ]  # fmt: skip
+        if max(lengths, default=0) > span:
+            kw = _call_kwargs(locals(), kwargs)
+            kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
+            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span)
     return dispatch.select(problem, backend).run(problem)
 
 
@@ -180,6 +181,19 @@ def fused_recurrent_kda(
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
     )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
+
+
+# chunk_kda's parameters after the five tensors that a call it makes again passes on
+CALL_PARAMETERS = (
+    "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute",
+    "return_intermediate_states", "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "backend", "final_state_dtype",
+)  # fmt: skip
+
+
+def _call_kwargs(arguments: dict, kwargs: dict) -> dict:
+    """chunk_kda's own arguments (from its ``locals()``) and extra keywords, as keywords."""
+    return {**{name: arguments[name] for name in CALL_PARAMETERS}, **kwargs}
 
 
 def _prefill_into_pool(

@@ -24,10 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _fold(P: torch.Tensor, R: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """``P S + R`` for KV-layout states ``[B, HV, K, V]``."""
-    return P @ S + R
+from kda.transitions import affine_transitions, kv_layout
 
 
 def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
@@ -64,31 +61,13 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     if any(x.requires_grad for x in (q, k, v, g, beta)) and torch.is_grad_enabled():
         raise ValueError("`cp_group`: no backward across ranks yet (call without grad)")
     B, _, _, K = q.shape
-    HV, V = v.shape[2:]
     v_first = bool(kw.get("state_v_first", False))
     h0 = kw.pop("initial_state", None)
     want_final = bool(kw.pop("output_final_state", False))
     device = _device(group, q)
-
-    def as_kv(x):  # the kernels' layout -> [B, HV, K, V]
-        return x.transpose(-1, -2) if v_first else x
-
-    def from_kv(x):
-        return x.transpose(-1, -2).contiguous() if v_first else x.contiguous()
-
     # 1. this rank's transition, float32, KV layout
-    zeros = torch.zeros(B, HV, K, V, dtype=torch.float32, device=q.device)
-    _, R = chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)
-    R = as_kv(R.float())
-    P = torch.empty(B, HV, K, K, dtype=torch.float32, device=q.device)
-    eye = torch.eye(K, dtype=torch.float32, device=q.device)
-    for c0 in range(0, K, V):
-        cols = min(V, K - c0)
-        start = zeros.clone()
-        start[..., :cols] = eye[:, c0 : c0 + cols]
-        _, out = chunk_kda(q, k, torch.zeros_like(v), g, beta, initial_state=from_kv(start), output_final_state=True,
-                           **kw)  # fmt: skip
-        P[..., c0 : c0 + cols] = as_kv(out.float())[..., :cols]
+    P, R = affine_transitions(chunk_kda, q, k, v, g, beta, kw, B)
+    as_kv, from_kv = kv_layout(v_first)
 
     # 2. every rank's transition, and the first rank's initial state
     mine = torch.cat([P, R], dim=-1).to(device)  # [B, HV, K, K + V]
@@ -96,7 +75,7 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     dist.all_gather(every, mine, group=group)
     has_h0 = torch.tensor([h0 is not None], dtype=torch.int64, device=device)
     dist.all_reduce(has_h0, group=group)
-    S = torch.zeros(B, HV, K, V, dtype=torch.float32, device=device)
+    S = torch.zeros_like(R, device=device)
     if int(has_h0.item()) not in (0, world):
         raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
     if int(has_h0.item()):
@@ -106,7 +85,7 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
 
     # 3. the earlier ranks folded in, this rank's tokens run from the true state
     for r in range(rank):
-        S = _fold(every[r][..., :K], every[r][..., K:], S)
+        S = every[r][..., :K] @ S + every[r][..., K:]
     start = from_kv(S.to(q.device))
     if h0 is not None:
         start = start.to(h0.dtype)
@@ -114,6 +93,6 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     if not want_final:
         return o, None
     for r in range(rank, world):
-        S = _fold(every[r][..., :K], every[r][..., K:], S)
+        S = every[r][..., :K] @ S + every[r][..., K:]
     final_dtype = kw.get("final_state_dtype") or torch.float32
     return o, from_kv(S.to(q.device)).to(final_dtype)

@@ -1,0 +1,92 @@
+"""The segment split of long sequences within one GPU (spec section 8).
+
+A call with few (sequence, head) chains leaves most SMs idle while each chain walks its
+sequence chunk by chunk. Cut every sequence longer than L tokens into segments of L and:
+
+1. every segment's affine transition ``(P, R)`` from the chunk kernels
+   (``transitions.affine_transitions``), all segments at once as one packed batch;
+2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a short loop of small
+   float32 products);
+3. every segment from its true initial state, again as one packed batch.
+
+The chains multiply by the segments per sequence; the price is about three times the
+arithmetic (the transitions' runs). ``KDA_SEGMENT_TOKENS`` sets it: unset or 0, off (the
+default: the split has not been timed on a GPU yet); a positive multiple of 16, split
+sequences longer than that. Inference calls only (a call that requires grad is never
+split). The dispatch log says when a call is split (``chunk_kda: split ... into segments``)
+and ``record_dispatch`` records ``segments:<L>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kda.transitions import affine_transitions, kv_layout
+
+SETTING = "KDA_SEGMENT_TOKENS"
+
+
+def segment_tokens() -> int:
+    """The segment length ``KDA_SEGMENT_TOKENS`` asks for (0: no split)."""
+    text = os.environ.get(SETTING, "0") or "0"
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise ValueError(f"{SETTING} must be a whole number of tokens (a multiple of 16), got {text!r}") from None
+    if tokens < 0 or tokens % 16:
+        raise ValueError(f"{SETTING} must be 0 (off) or a positive multiple of 16, got {tokens}")
+    return tokens
+
+
+def sequence_lengths(q: torch.Tensor, cu_seqlens, cu_seqlens_cpu) -> list[int]:
+    """Every sequence's length (a host read of cu_seqlens without its CPU copy)."""
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        return [T] * B
+    values = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
+    return [b - a for a, b in zip(values, values[1:])]
+
+
+def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int):
+    """``chunk_kda(q, k, v, g, beta, **kw)`` with every sequence cut into segments of ``span``
+    tokens; the same results (o, final state) as the uncut call."""
+    from kda.dispatch import log_once, note
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    v_first = bool(kw.get("state_v_first", False))
+    as_kv, from_kv = kv_layout(v_first)
+    h0 = kw.pop("initial_state", None)
+    want_final = bool(kw.pop("output_final_state", False))
+    final_dtype = kw.get("final_state_dtype") or torch.float32
+
+    pieces = [[min(span, n - a) for a in range(0, n, span)] for n in lengths]  # segment lengths per sequence
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    offsets = torch.tensor([0, *torch.tensor([p for ps in pieces for p in ps], dtype=torch.int64).cumsum(0).tolist()])
+    segs = offsets.shape[0] - 1
+    log_once(f"chunk_kda: split {len(lengths)} sequences into {segs} segments of <= {span} tokens ({SETTING})")
+    note(f"segments:{span}")
+    kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
+
+    P, R = affine_transitions(chunk_kda, *flat, kw, segs)
+    S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float32, device=q.device)
+    if h0 is not None:
+        S0 = as_kv(h0.float())
+    starts, finals, j = [], [], 0
+    for n, ps in enumerate(pieces):
+        S = S0[n]
+        for _ in ps:
+            starts.append(S)
+            S = P[j] @ S + R[j]
+            j += 1
+        finals.append(S)
+    start = from_kv(torch.stack(starts)) if starts else None
+    if start is not None and h0 is not None:
+        start = start.to(h0.dtype)
+    o = torch.zeros(1, 0, HV, V, dtype=q.dtype, device=q.device)
+    if segs:
+        o, _ = chunk_kda(*flat, initial_state=start, output_final_state=False, **kw)
+    o = o.reshape(B, T, HV, V)
+    return o, (from_kv(torch.stack(finals)).to(final_dtype) if want_final else None)
