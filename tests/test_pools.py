@@ -198,14 +198,15 @@ def test_scatter_kernel_writes_valid_slots_only():
     of the pool keeps its bits."""
     import triton
 
-    from kda.triton.decode import SCATTER_BLOCK, scatter_states, scatter_states_kernel
+    from kda.api import _scatter_states
+    from kda.triton.decode import SCATTER_BLOCK, scatter_states_kernel
 
     pool = torch.randn(5, 2, 8, 40, device=DEVICE)
     before = pool.clone()
     states = torch.randn(4, 2, 8, 40, device=DEVICE)
     idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEVICE)
     if DEVICE == "cuda":
-        scatter_states(pool, idx, states)
+        _scatter_states(pool, idx, states)
     else:
         scatter_states_kernel[(4, triton.cdiv(640, SCATTER_BLOCK))](states, pool, idx, 5, SLOT=640, BLOCK=SCATTER_BLOCK)
     assert torch.equal(pool[3], states[0]) and torch.equal(pool[0], states[2])

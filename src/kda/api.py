@@ -202,8 +202,6 @@ def _prefill_into_pool(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """chunk_kda with ``initial_state_indices``: gather the slots' states (zeros for no slot),
     run the call, write the final states back; no host synchronisation on a GPU."""
-    from kda.triton.decode import scatter_states
-
     N = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens)
     P = pool.shape[0]
     ok = (indices >= 0) & (indices < P)
@@ -214,8 +212,29 @@ def _prefill_into_pool(
         allow_neg_eigval, safe_gate, lower_bound, False, False, state_v_first, cu_seqlens, cu_seqlens_cpu,
         backend=backend, **kwargs,
     )  # fmt: skip
-    scatter_states(pool, indices, ht)
+    _scatter_states(pool, indices, ht)
     return o, pool
+
+
+def _scatter_states(pool: torch.Tensor, indices: torch.Tensor, states: torch.Tensor) -> None:
+    """Write ``states [N, ...]`` to ``pool[indices]`` in place, skipping indices outside
+    ``[0, P)``, without a host synchronisation: a masked Triton copy on a GPU
+    (``kda.triton.decode.scatter_states_kernel``); on the CPU, where a sync costs nothing,
+    torch's boolean indexing."""
+    P = pool.shape[0]
+    if not pool.is_cuda:
+        ok = (indices >= 0) & (indices < P)
+        pool[indices[ok].long()] = states[ok].to(pool.dtype)
+        return
+    import triton
+
+    from kda.triton.decode import SCATTER_BLOCK, scatter_states_kernel
+
+    slot = pool[0].numel()
+    if indices.shape[0] and slot:
+        scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
+            states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
+        )
 
 
 def checked_problem(fn, *args, **kwargs) -> validation.Problem:

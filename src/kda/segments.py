@@ -30,7 +30,9 @@ SETTING = "KDA_SEGMENT_TOKENS"
 
 def segment_tokens() -> int:
     """The segment length ``KDA_SEGMENT_TOKENS`` asks for (0: no split)."""
-    text = os.environ.get(SETTING, "0") or "0"
+    text = os.environ.get(SETTING)  # read every call (tests set it), parsed only when set
+    if not text:
+        return 0
     try:
         tokens = int(text)
     except ValueError:

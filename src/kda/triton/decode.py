@@ -138,19 +138,3 @@ def scatter_states_kernel(states, pool, indices, P, SLOT: tl.constexpr, BLOCK: t
     mask = (offs < SLOT) & (slot >= 0) & (slot < P)
     x = tl.load(states + n * SLOT + offs, mask=mask)
     tl.store(pool + slot * SLOT + offs, x.to(pool.dtype.element_ty), mask=mask)
-
-
-def scatter_states(pool: torch.Tensor, indices: torch.Tensor, states: torch.Tensor) -> None:
-    """Write ``states [N, ...]`` to ``pool[indices]`` in place, skipping indices outside
-    ``[0, P)``, without a host synchronisation (a masked Triton copy on a GPU; on the CPU,
-    where a sync costs nothing, torch's boolean indexing)."""
-    P = pool.shape[0]
-    if not pool.is_cuda:
-        ok = (indices >= 0) & (indices < P)
-        pool[indices[ok].long()] = states[ok].to(pool.dtype)
-        return
-    slot = pool[0].numel()
-    if indices.shape[0] and slot:
-        scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
-            states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
-        )
