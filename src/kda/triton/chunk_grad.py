@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting
+from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
     EXP2_LIMIT,
     HARD_RESET,
@@ -376,6 +376,6 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
         p.H, HV, p.K, BK=BK,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=gate == 1 and p.lower_bound >= -5.0,
+        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=safe_gate_path(p),
         DOT_PRECISION=dot_precision,
     )  # fmt: skip

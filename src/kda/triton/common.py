@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kda.validation import SAFE_LOWER_BOUND_MIN
+
 CHUNK = 16
 # The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
 # sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
@@ -29,6 +31,13 @@ def checkpoint_rows(B: int, T: int, N: int, varlen: bool) -> int:
     if not varlen:
         return B * -(-T // span)
     return -(-T // span) + N
+
+
+def safe_gate_path(p) -> bool:
+    """Whether the kernels may compile out the far-row and reset paths: the lower-bound gate
+    with ``lb >= validation.SAFE_LOWER_BOUND_MIN`` keeps every 16-token decay inside
+    ``prepare.EXP2_LIMIT`` (``16 * 5 / ln 2 < 116``) and never resets."""
+    return p.gate_form == "lower_bound" and p.lower_bound >= SAFE_LOWER_BOUND_MIN
 
 
 def interpreting() -> bool:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kda.reference import GATE_FLOOR as _GATE_FLOOR
 from kda.reference import HARD_RESET as _HARD_RESET
-from kda.triton.common import CHUNK, autotune_configs
+from kda.triton.common import CHUNK, autotune_configs, safe_gate_path
 
 ROWS = tl.constexpr(CHUNK)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -257,7 +257,7 @@ def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) 
         p.H, HV, p.K, BK=BK,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid,
-        SAFE=gate == 1 and p.lower_bound >= -5.0,
+        SAFE=safe_gate_path(p),
         DOT_PRECISION=dot_precision,
     )  # fmt: skip
     return ws
