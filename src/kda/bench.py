@@ -321,12 +321,18 @@ def main(args) -> int:
                 row["flash_kda_ratio_anchor"] = FLASH_KDA_RATIO[case["name"]]
         report["cases"].append(row)
         print(case["name"], {n: round(t, 3) for n, t in row["ms"].items()}, flush=True)
-        # Written after every case, so that a run cut short still leaves its results.
-        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-        (out / f"{stem}.md").write_text(markdown_table(report))
-        plot(report, out / f"{stem}.png")
+        write_report(report, out / stem, markdown_table, plot)
     print(markdown_table(report))
     return 0
+
+
+def write_report(report: dict, path: Path, table, draw) -> None:
+    """``path``.json, .md (``table(report)``) and .png (``draw``): written after every case, so
+    that a run cut short still leaves its results."""
+    name = path.name  # not with_suffix: a --tag may hold a dot
+    (path.parent / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (path.parent / f"{name}.md").write_text(table(report))
+    draw(report, path.parent / f"{name}.png")
 
 
 # Training (forward + backward): bf16, lower-bound gate, h0, a gradient into the final state too.
@@ -456,9 +462,7 @@ def train_main(args) -> int:
             row["memory_ratio_to_fla"] = {n: m / row["peak_extra_GB"]["fla"] for n, m in row["peak_extra_GB"].items()}
         report["cases"].append(row)
         print(case["name"], {n: round(t, 3) for n, t in row["fwd_bwd_ms"].items()}, flush=True)
-        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-        (out / f"{stem}.md").write_text(train_markdown_table(report))
-        train_plot(report, out / f"{stem}.png")
+        write_report(report, out / stem, train_markdown_table, train_plot)
     print(train_markdown_table(report))
     return 0
 
