@@ -21,6 +21,7 @@ from helpers import (
     make_case,
     rel,
 )
+from kda import dispatch
 from kda.api import checked_problem
 from kda.triton import chunk_forward
 
@@ -116,7 +117,9 @@ def test_auto_prefers_torch_to_the_interpreter_on_cpu_tensors(caplog):
 
 
 def test_fused_recurrent_on_triton_equals_chunk():
-    case = make_case(seq_lens=[1, 1, 3, 0], H=2, K=16, V=16, device=DEVICE, seed=9)
+    """Sequences past the decode kernel's range run the chunk stages (a chunk may be short)."""
+    case = make_case(seq_lens=[1, 1, 3, 0, dispatch.RECURRENT_DECODE_TOKENS + 2], H=2, K=16, V=16, device=DEVICE,
+                     seed=9)  # fmt: skip
     kw = case.kwargs()
     kw.pop("safe_gate", None)
     with kda.record_dispatch() as events:

@@ -72,13 +72,21 @@ def chunk_fwd(
                  state_v_first, final_state_dtype)  # fmt: skip
     if save_checkpoints:
         o, ht, checkpoints = train_forward(p)
-    elif use_cuda:
+    elif use_cuda and (why := _cuda_misaligned(p)) is None:
         from kda.cuda.forward import chunk_forward as cuda_chunk_forward
 
         (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     else:
+        if use_cuda:  # the address test dynamo could not trace (kda.cuda.CudaBackend.rejects)
+            dispatch.note(f"cuda refused under torch.compile: {why}; Triton runs it")
         (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     return o, (q.new_empty(0, dtype=final_state_dtype) if ht is None else ht), checkpoints
+
+
+def _cuda_misaligned(p: Problem) -> str | None:
+    from kda.cuda import misaligned
+
+    return misaligned(p)
 
 
 def _state_shape(q: Tensor, v: Tensor, N: int, state_v_first: bool) -> tuple[int, int, int, int]:

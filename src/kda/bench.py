@@ -277,6 +277,10 @@ def main(args) -> int:
         return 1
     if args.train:
         return train_main(args)
+    if args.decode:
+        from kda.bench_decode import decode_main
+
+        return decode_main(args)
     calls = contenders()
     if args.impls:
         wanted = args.impls.split(",")

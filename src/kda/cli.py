@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--train", action="store_true", help="training: fwd+bwd time and peak memory against fla's (TRAIN_CASES)"
     )
+    bench.add_argument(
+        "--decode", action="store_true", help="decode steps against fla's fused_recurrent_kda (kda.bench_decode)"
+    )
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
     bench.add_argument(
         "--tag", default="", help="suffix for the result file names (partial runs); --tag=-x for a leading dash"

@@ -62,6 +62,23 @@ _recorders: list[list[str]] = []
 _lock = threading.Lock()
 
 
+# The longest sequence (tokens) a call may have for the one-launch decode kernel
+# (kda.triton.decode) to run it instead of the chunk kernels. fused_recurrent_kda: fla's
+# decode range (1 to 64 tokens: decode steps and speculative drafts). chunk_kda: where the
+# decode kernel measured faster than the two chunk stages (benchmarks/NOTES.md, decode).
+RECURRENT_DECODE_TOKENS = 64
+CHUNK_DECODE_TOKENS = 16
+
+
+def prefers_decode(p: Problem) -> bool:
+    """Whether a call without grad should run on the decode kernel: its sequences are short
+    enough that one launch walking the tokens beats the prepare and recurrence stages."""
+    if p.requires_grad or torch.compiler.is_compiling():
+        return False
+    limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
+    return p.longest <= limit
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKEND_MODULES:
         raise ValueError(f"`backend` must be one of 'auto', {', '.join(map(repr, BACKEND_MODULES))}; got {name!r}")

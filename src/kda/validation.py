@@ -85,6 +85,13 @@ class Problem:
         return (self.N, self.HV, self.K, self.V)
 
     @property
+    def longest(self) -> int:
+        """Tokens in the longest sequence (host arithmetic on the CPU copy of cu_seqlens)."""
+        if self.cu_seqlens_cpu is None:
+            return self.T
+        return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max()) if self.N else 0
+
+    @property
     def state_dtype(self) -> torch.dtype:
         """The dtype the state is carried in: float64 for float64 inputs, else float32."""
         return torch.float64 if self.q.dtype == torch.float64 else torch.float32
@@ -456,8 +463,10 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
     if x.dim() != 4 or tuple(x.shape[1:]) != want:
         raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={p.HV}, K={p.K}, V={p.V}, "
                          f"got shape {list(x.shape)}")  # fmt: skip
-    if x.dtype != p.state_dtype:
-        raise TypeError(f"`initial_state` (the state pool) must be {p.state_dtype}, got {x.dtype}")
+    pool_dtypes = (torch.float64,) if p.state_dtype == torch.float64 else (torch.float32, torch.bfloat16)
+    if x.dtype not in pool_dtypes:  # a bfloat16 pool: half the bytes; the state is carried in float32
+        raise TypeError(f"`initial_state` (the state pool) must be {' or '.join(map(str, pool_dtypes))}, "
+                        f"got {x.dtype}")  # fmt: skip
     if x.device != p.q.device:
         _require_device("initial_state", x, p.q.device)
     if not x.is_contiguous():
@@ -476,9 +485,7 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
             raise TypeError(f"`ssm_state_indices` must be int32 or int64, got {idx.dtype}")
         if idx.device != p.q.device:
             _require_device("ssm_state_indices", idx, p.q.device)
-        longest = p.T if p.cu_seqlens_values is None else max(
-            (b - a for a, b in zip(p.cu_seqlens_values, p.cu_seqlens_values[1:])), default=0
-        )  # fmt: skip
+        longest = p.longest
         if idx.dim() == 1 and idx.shape[0] == p.N:
             if accepted is not None:
                 raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")

@@ -21,6 +21,7 @@ from functools import cache
 
 import torch
 
+from kda.dispatch import prefers_decode
 from kda.validation import Problem
 
 ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
@@ -73,6 +74,16 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def misaligned(p: Problem) -> str | None:
+    """Why ``p``'s q, k, v or g cannot feed the kernels' 16-byte copies, or None. One test for
+    the four addresses; the loop only names the misaligned one."""
+    if (p.q.data_ptr() | p.k.data_ptr() | p.v.data_ptr() | p.g.data_ptr()) % ALIGNMENT:
+        for name in ("q", "k", "v", "g"):
+            if getattr(p, name).data_ptr() % ALIGNMENT:
+                return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
+    return None
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -82,6 +93,8 @@ class CudaBackend:
         return _static_availability()
 
     def auto_rejects(self, p: Problem) -> str | None:
+        if prefers_decode(p):
+            return f"short sequences (the longest has {p.longest} tokens): Triton's one-launch decode runs them"
         return None
 
     def rejects(self, p: Problem) -> str | None:
@@ -107,12 +120,11 @@ class CudaBackend:
             return f"tensors on {q.device} (needs CUDA tensors)"
         if _capability(q.get_device()) != (9, 0):
             return f"tensors on {torch.cuda.get_device_name(q.device)}, not an sm_90 GPU"
-        # One test for the four addresses; the loop only names the misaligned one.
-        if (q.data_ptr() | p.k.data_ptr() | p.v.data_ptr() | p.g.data_ptr()) % ALIGNMENT:
-            for name in ("q", "k", "v", "g"):
-                if getattr(p, name).data_ptr() % ALIGNMENT:
-                    return f"`{name}` is not {ALIGNMENT}-byte aligned (a view at an odd offset)"
-        return None
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace data_ptr(): the custom op that runs the call under compile
+            # tests the addresses on the real tensors (kda.autograd.chunk_fwd) instead.
+            return None
+        return misaligned(p)
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.compiler.is_compiling():  # a custom op: dynamo cannot trace the cuda-python launch

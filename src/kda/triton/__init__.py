@@ -14,8 +14,8 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import note
-from kda.triton.common import chunk_tables, interpreting
+from kda.dispatch import note, prefers_decode
+from kda.triton.common import chunk_tables, interpreter_fault, interpreting
 from kda.triton.prepare import prepare_chunks
 from kda.triton.recurrence import recurrence_v_split
 from kda.validation import Problem
@@ -80,7 +80,7 @@ class TritonBackend:
 
     def availability(self) -> str | None:
         if interpreting():
-            return None
+            return interpreter_fault()
         if not cuda_visible():
             return "no CUDA GPU visible to torch (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
         return None
@@ -99,12 +99,12 @@ class TritonBackend:
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if p.pool is not None:  # decode through a state pool: one launch, in place
-            from kda.triton.decode import pooled_decode
+        if p.pool is not None or prefers_decode(p):  # one launch, no tables (a pool: in place)
+            from kda.triton.decode import decode
 
-            o = pooled_decode(p, chunk_tables(p))
-            note("triton:pooled_decode")
-            return o, p.pool
+            o, ht = decode(p)
+            note("triton:pooled_decode" if p.pool is not None else "triton:decode")
+            return o, ht
         if p.requires_grad or torch.compiler.is_compiling():
             # Through the custom op: autograd gets its backward, torch.compile an opaque node.
             from kda.autograd import chunk_kda_trainable

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting, safe_gate_path
+from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN, autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
     EXP2_LIMIT,
     HARD_RESET,
@@ -365,7 +365,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     )  # fmt: skip
     chunk_du_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"], d_u, grads["v"],
-        d_squares, HV, p.V, BV=min(triton.next_power_of_2(p.V), DU_SLICE),
+        d_squares, HV, p.V, BV=max(min(triton.next_power_of_2(p.V), DU_SLICE), DOT_MIN),
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     chunk_input_grads_kernel[(NC, p.H)](

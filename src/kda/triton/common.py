@@ -3,6 +3,7 @@ training forward's state checkpoints."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -11,10 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from kda.validation import SAFE_LOWER_BOUND_MIN
 
 CHUNK = 16
+DOT_MIN = 16  # tl.dot's smallest M, N and K: a block that feeds a dot is at least this wide
 # The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
 # sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
 # chunk from its own checkpoint (at most CHECKPOINT_CHUNKS - 1 chunk steps). Four chunks
@@ -43,6 +46,31 @@ def safe_gate_path(p) -> bool:
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels run on CPU tensors through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _loop_bound_probe(offsets, out):
+    total = 0
+    for i in tl.range(tl.load(offsets), tl.load(offsets + 1)):
+        total += i
+    tl.store(out, total)
+
+
+@functools.cache
+def interpreter_fault() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels, or None. Seen 2026-12-01: Triton
+    3.6.0's interpreter with NumPy 2.4 fails on every loop whose bounds are loaded from memory
+    (it calls int() on a one-element array, which NumPy 2.4 refuses); NumPy 2.3 or Triton 3.9
+    run it. Probed once with a loop of that form rather than by version numbers."""
+    offsets, out = torch.tensor([2, 5]), torch.zeros(1, dtype=torch.int64)
+    try:
+        _loop_bound_probe[(1,)](offsets, out)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe is the answer
+        import numpy
+
+        return (f"Triton {triton.__version__}'s interpreter fails with NumPy {numpy.__version__} on loop bounds "
+                f"loaded from memory ({type(e).__name__}); install numpy<2.4 or a newer Triton")  # fmt: skip
+    return None if int(out) == 9 else f"Triton {triton.__version__}'s interpreter miscounts a loop (got {int(out)})"
 
 
 def autotune_configs(params: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]) -> list[triton.Config]:
@@ -159,5 +187,5 @@ def _build_chunk_tables(p) -> ChunkTables:
         seq_order=packed[2 * N + 2 + num_chunks : order_end],
         checkpoint_offsets=packed[order_end:],
         num_chunks=num_chunks,
-        BK=max(triton.next_power_of_2(p.K), CHUNK),
+        BK=max(triton.next_power_of_2(p.K), DOT_MIN),
     )

@@ -1,18 +1,18 @@
-"""Decode through a state pool (spec section 7): the token loop in one launch, each sequence's
-state read from its pool slot once and written back once (or after every token, for
-speculative decoding's 2-D indices).
+"""Decode in one launch (spec section 7): the token loop over a few tokens per sequence, each
+sequence's state read once and written once; through a state pool in place, or from
+``initial_state`` to a new final state.
 
 One program per (V slice, sequence, value head) keeps the slice ``S^T [BV, K]`` in float32
 registers and runs ``reference.pooled_recurrent_kda``'s loop over the sequence's tokens:
 ``S = S Diag(exp(g_t))``, ``u = beta_t (v_t - S^T k_t)``, ``S += k_t u^T``, ``o_t = scale S^T q_t``,
 with the gate, beta sigmoid and l2norm applied in the kernel as the flags say.
 
-Slots: ``INDICES`` 0 (none: sequence n is slot n), 1 (``indices [N]``: read and write
-``indices[n]``) or 2 (``indices [N, S]``: read ``indices[n, accepted[n] - 1]`` (column 0
-without ``accepted``), write the state after token t to ``indices[n, t]``). An index outside
-``[0, P)`` is no slot: nothing read (zeros), nothing written, so no index can reach memory
-outside the pool. Indices are read on the device: no host synchronisation.
-"""
+Slots: ``INDICES`` 0 (none: sequence n is slot n; a plain call's states are a pool of N
+slots), 1 (``indices [N]``: read and write ``indices[n]``) or 2 (``indices [N, S]``: read
+``indices[n, accepted[n] - 1]`` (column 0 without ``accepted``), write the state after token t
+to ``indices[n, t]``). An index outside ``[0, P)`` is no slot: nothing read (zeros), nothing
+written, so no index can reach memory outside the pool. Indices and ``cu_seqlens`` are read
+on the device: no host synchronisation."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ import triton.language as tl
 
 from kda.triton.prepare import L2NORM_EPS, _gate
 
-DECODE_BV = 32  # V columns a program carries; the state slice [BV, K] in float32 registers
+DECODE_BV = 32  # V columns a program carries at most; the state slice [BV, K] in float32 registers
+DECODE_BV_MIN = 8  # the fewest: below this a program's loads of q, k and g outweigh its state slice
+DECODE_FILL_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): fewer leave SMs idle
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -34,21 +37,26 @@ def _in_pool(slot, tile, state_mask, P):
 
 
 @triton.jit
-def pooled_decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, pool, indices, accepted, seq_offsets,
+def decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, indices, accepted, seq_offsets,
     scale, lower_bound, beta_scale,
-    P, H, HV, K, V, S_COLS,
+    P, T, H, HV, K, V, S_COLS,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(seq_offsets + n)
-    eos = tl.load(seq_offsets + n + 1)
+    if VARLEN:
+        bos = tl.load(seq_offsets + n)
+        eos = tl.load(seq_offsets + n + 1)
+    else:  # B sequences of T tokens: no offsets table, nothing built on the host
+        bos = n * T
+        eos = bos + T
     rows_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     k_ok = rows_k < K
@@ -70,7 +78,9 @@ def pooled_decode_kernel(
             col = tl.load(accepted + n).to(tl.int64) - 1
         first = tl.load(indices + n * S_COLS + col).to(tl.int64)
     first_mask = _in_pool(first, tile, state_mask, P)
-    St = tl.load(pool + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
+    St = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_H0:
+        St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
 
     a = 1.0
     if GATE != 0 and HAS_A_LOG:
@@ -99,31 +109,51 @@ def pooled_decode_kernel(
         if INDICES == 2:
             to = tl.load(indices + n * S_COLS + (t - bos)).to(tl.int64)
             to_mask = _in_pool(to, tile, state_mask, P)
-            tl.store(pool + to * slot_size + tile, St.to(pool.dtype.element_ty), mask=to_mask)
-    if INDICES != 2:
-        tl.store(pool + first * slot_size + tile, St.to(pool.dtype.element_ty), mask=first_mask)
+            tl.store(ht + to * slot_size + tile, St.to(ht.dtype.element_ty), mask=to_mask)
+    if STORE_HT and INDICES != 2:
+        tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask)
 
 
-def pooled_decode(p, tables) -> torch.Tensor:
-    """Run ``p`` (a checked call with ``p.pool``) through the pool in place; returns o."""
+def decode_block_v(programs_per_column: int, V: int) -> int:
+    """The V columns a program carries: DECODE_BV, halved while the grid would leave SMs
+    idle (one sequence's decode: fewer state values per program, more programs)."""
+    bv = min(DECODE_BV, triton.next_power_of_2(V))
+    while bv > DECODE_BV_MIN and programs_per_column * triton.cdiv(V, bv) < DECODE_FILL_PROGRAMS:
+        bv //= 2
+    return bv
+
+
+def decode(p, block_v: int | None = None, num_warps: int = DECODE_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``p`` (a checked call: a pool's, or a plain one with few tokens per sequence) in one
+    launch: ``(o, final state)``. A pool is updated in place and returned; a plain call's
+    final state is a new tensor (or None without ``output_final_state``). Nothing is built
+    on the host: batched calls need no offsets, varlen ones read ``cu_seqlens`` on the device.
+    ``block_v``, ``num_warps``: override the launch (benchmarks compare them)."""
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
-    N = tables.seq_offsets.shape[0] - 1
-    if N * p.HV == 0 or p.T == 0:
-        return o
+    if p.pool is not None:
+        h0 = ht = p.pool
+    else:
+        h0 = p.initial_state
+        ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device) if p.output_final_state else None
+    if p.N * p.HV == 0 or p.T == 0:
+        if ht is not None and p.pool is None:  # no tokens: the final state is the initial one
+            ht.copy_(h0) if h0 is not None else ht.zero_()
+        return o, ht
     idx = p.state_indices
     mode = 0 if idx is None else idx.dim()
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    BV = min(DECODE_BV, triton.next_power_of_2(p.V))
-    pooled_decode_kernel[(triton.cdiv(p.V, BV), N * p.HV)](
-        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, p.pool, idx, p.accepted, tables.seq_offsets,
+    BV = block_v or decode_block_v(p.N * p.HV, p.V)
+    decode_kernel[(triton.cdiv(p.V, BV), p.N * p.HV)](
+        p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, h0, ht, idx, p.accepted, p.cu_seqlens,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.pool.shape[0], p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
-        BK=tables.BK, BV=BV,
+        p.N if p.pool is None else p.pool.shape[0], p.T, p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
+        BK=triton.next_power_of_2(p.K), BV=BV,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
-        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=4,
+        VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=num_warps,
     )  # fmt: skip
-    return o
+    return o, ht
 
 
 SCATTER_BLOCK = 1024  # state values a program copies

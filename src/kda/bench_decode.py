@@ -1,0 +1,255 @@
+"""``kda bench --decode``: decode steps (issue 12's cases) beside fla's ``fused_recurrent_kda``,
+same inputs, same process: CUDA-graph replay and eager, float32 and bfloat16 states, a plain
+call (``initial_state`` -> new final state) and a state pool updated in place, each with its
+floor (state bytes read and written over the measured copy bandwidth); the decode kernel's
+launch shapes swept; where chunk_kda should switch from its chunk stages to the decode
+kernel; the accuracy of both against the float64 token loop.
+
+Shapes: H = 32, K = V = 128, one token per sequence (N = 1, 32, 256, 1024), bf16 inputs, the
+lower-bound gate (lb = -5), l2norm and beta sigmoid in the kernel, states [N, H, K, V] (fla's
+default layout)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from kda.bench import measure_copy_tbps, versions, write_report
+
+DECODE_SEQUENCES = (1, 32, 256, 1024)
+DECODE_HEADS = 32
+D = 128
+# issue 12's bars: graph replay N=1 no slower than fla, N >= 32 <= 0.8x fla, N >= 256 at
+# least 90% of the copy bandwidth on the state bytes
+TARGET_RATIO = 0.8
+TARGET_BANDWIDTH = 0.9
+CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_BLOCK_V = (8, 16, 32, 64)
+SWEEP_WARPS = (1, 2, 4, 8)
+
+
+def decode_inputs(N: int, T: int = 1, state_dtype=torch.float32, seed: int = 0, H: int = DECODE_HEADS):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    tensors = (randn(N, T, H, D), randn(N, T, H, D), randn(N, T, H, D), randn(N, T, H, D), randn(N, T, H))
+    kw = dict(
+        A_log=torch.rand(H, generator=gen, device="cuda"),
+        dt_bias=torch.rand(H * D, generator=gen, device="cuda"),
+        initial_state=randn(N, H, D, D, dtype=state_dtype),
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=-5.0,
+    )
+    return tensors, kw
+
+
+def state_bytes(N: int, state_dtype, H: int = DECODE_HEADS) -> int:
+    """A decode step must read every state and write it back."""
+    return 2 * N * H * D * D * torch.tensor([], dtype=state_dtype).element_size()
+
+
+def graph_ms(fn) -> float:
+    """Median of do_bench over replays of ``fn`` captured once (eager warm-up first)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm on the capture stream too
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def eager_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def contenders(mode: str) -> dict:
+    """name -> callable(tensors, kw) for a plain call or a pool (``mode``)."""
+    import kda
+
+    pool = mode == "pool"
+
+    def kda_call(t, kw):
+        if pool:
+            N = t[0].shape[0]
+            return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True,
+                                           ssm_state_indices=kw_indices(N))  # fmt: skip
+        return kda.fused_recurrent_kda(*t, **kw, output_final_state=True)
+
+    calls = {"kda": kda_call}
+    if importlib.util.find_spec("fla") is not None:
+        os.environ["FLA_FLASH_KDA"] = "0"
+        from fla.ops.kda import fused_recurrent_kda as fla_decode
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_pooled  # serving engines' entry
+
+        def fla_call(t, kw):
+            with torch.inference_mode():
+                if pool:
+                    N = t[0].shape[0]
+                    return fla_pooled(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N))
+                return fla_decode(*t, **kw, output_final_state=True)
+
+        calls["fla"] = fla_call
+    return calls
+
+
+_INDICES: dict[int, torch.Tensor] = {}
+
+
+def kw_indices(N: int) -> torch.Tensor:
+    """Slot n for sequence n, reversed (a pool's slots are not in sequence order), int32."""
+    if N not in _INDICES:
+        _INDICES[N] = torch.arange(N - 1, -1, -1, dtype=torch.int32, device="cuda")
+    return _INDICES[N]
+
+
+def accuracy(calls: dict, N: int = 32) -> dict:
+    """Relative RMS of o and the final state against the float64 token loop (on the GPU)."""
+    import kda
+    from kda.reference import relative_rms
+
+    t, kw = decode_inputs(N, T=4, seed=7)
+    t64 = [x.double() for x in t]
+    kw64 = {**kw, "initial_state": kw["initial_state"].double(), "A_log": kw["A_log"].double(),
+            "dt_bias": kw["dt_bias"].double()}  # fmt: skip
+    o_ref, ht_ref = kda.fused_recurrent_kda(*t64, **kw64, output_final_state=True, backend="torch")
+    out = {}
+    for name, call in contenders("plain").items():
+        o, ht = call(t, kw)
+        out[name] = {"o": relative_rms(o, o_ref), "state": relative_rms(ht, ht_ref)}
+    return out
+
+
+def sweep(N: int) -> dict:
+    """The decode kernel's graph-replay time at each (block_v, num_warps), plain call, fp32."""
+    import kda
+    from kda.api import checked_problem
+    from kda.triton.decode import decode
+
+    t, kw = decode_inputs(N)
+    p = checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True)
+    out = {}
+    for bv in SWEEP_BLOCK_V:
+        for warps in SWEEP_WARPS:
+            try:
+                out[f"BV{bv}-w{warps}"] = graph_ms(lambda bv=bv, warps=warps: decode(p, block_v=bv, num_warps=warps))
+            except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
+                out[f"BV{bv}-w{warps}"] = f"{type(e).__name__}"
+    return out
+
+
+def crossover(N: int = 32) -> list[dict]:
+    """chunk_kda's stages against the decode kernel at T tokens per sequence (graph replay)."""
+    import kda
+    from kda.api import checked_problem
+    from kda.triton import chunk_forward
+    from kda.triton.decode import decode
+
+    rows = []
+    for T in CROSSOVER_TOKENS:
+        t, kw = decode_inputs(N, T=T)
+        p = checked_problem(kda.chunk_kda, *t, **kw, output_final_state=True)
+        row = {"T": T, "decode": graph_ms(lambda p=p: decode(p))}
+        row["triton_chunks"] = graph_ms(lambda p=p: chunk_forward(p))
+        if any(b.name == "cuda" and b.available for b in kda.backends()):
+            row["cuda_chunks"] = graph_ms(lambda t=t, kw=kw: kda.chunk_kda(*t, **kw, output_final_state=True,
+                                                                           backend="cuda"))  # fmt: skip
+        rows.append(row)
+        print("crossover", row, flush=True)
+    return rows
+
+
+def decode_main(args) -> int:
+    copy_tbps = measure_copy_tbps()
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
+        "measured_copy_TBps": copy_tbps,
+        "timing": "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
+        "inputs": __doc__.split("Shapes: ")[1].strip(),
+        "accuracy_vs_fp64_N32_T4": accuracy(contenders("plain")),
+        "cases": [],
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{props.name.split()[-1].lower()}-{date}-decode{args.tag}"
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for mode in ("plain", "pool"):
+            calls = contenders(mode)
+            for N in DECODE_SEQUENCES:
+                t, kw = decode_inputs(N, state_dtype=state_dtype)
+                if mode == "plain" and state_dtype == torch.bfloat16:
+                    kw_kda = {**kw, "final_state_dtype": torch.bfloat16}
+                else:
+                    kw_kda = kw
+                floor = state_bytes(N, state_dtype) / (copy_tbps * 1e12) * 1e3
+                row = {"N": N, "state": str(state_dtype).removeprefix("torch."), "mode": mode, "floor_ms": floor}
+                for name, call in calls.items():
+                    kwn = kw_kda if name == "kda" else kw
+                    try:
+                        row[f"{name}_graph_ms"] = graph_ms(lambda call=call, kwn=kwn: call(t, kwn))
+                        row[f"{name}_eager_ms"] = eager_ms(lambda call=call, kwn=kwn: call(t, kwn))
+                    except Exception as e:  # noqa: BLE001 - fla's kernel may refuse a layout: say so
+                        row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                if "fla_graph_ms" in row and "kda_graph_ms" in row:
+                    row["ratio_graph"] = row["kda_graph_ms"] / row["fla_graph_ms"]
+                for name in calls:
+                    if f"{name}_graph_ms" in row:
+                        row[f"{name}_bandwidth_fraction"] = floor / row[f"{name}_graph_ms"]
+                report["cases"].append(row)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                write_report(report, out / stem, markdown_table, lambda r, p: None)
+    report["sweep_fp32_plain"] = {N: sweep(N) for N in DECODE_SEQUENCES}
+    print("sweep", report["sweep_fp32_plain"], flush=True)
+    report["crossover_N32"] = crossover()
+    write_report(report, out / stem, markdown_table, lambda r, p: None)
+    print(markdown_table(report))
+    return 0
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        f"# Decode, {report['gpu']}, {report['date']}",
+        "",
+        f"{report['timing']}. Copy bandwidth {report['measured_copy_TBps']:.2f} TB/s. Inputs: {report['inputs']}",
+        f"Versions: {report['versions']}",
+        "",
+        "| state | mode | N | floor ms | kda graph ms | fla graph ms | kda / fla | kda BW frac | fla BW frac "
+        "| kda eager ms | fla eager ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(row, key, fmt="{:.4f}"):
+        return fmt.format(row[key]) if isinstance(row.get(key), float) else row.get(key, "-")
+
+    for r in report["cases"]:
+        lines.append(
+            f"| {r['state']} | {r['mode']} | {r['N']} | {f(r, 'floor_ms')} | {f(r, 'kda_graph_ms')} "
+            f"| {f(r, 'fla_graph_ms')} | {f(r, 'ratio_graph', '{:.3f}')} | {f(r, 'kda_bandwidth_fraction', '{:.2f}')} "
+            f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} |"
+        )
+    acc = report.get("accuracy_vs_fp64_N32_T4", {})
+    if acc:
+        lines += ["", "Accuracy against the float64 token loop (N=32, T=4): "
+                  + ", ".join(f"{n}: o {a['o']:.2e}, state {a['state']:.2e}" for n, a in acc.items())]  # fmt: skip
+    if "crossover_N32" in report:
+        steps = ["T={}: {}".format(r["T"], ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k != "T"))
+                 for r in report["crossover_N32"]]  # fmt: skip
+        lines += ["", "chunk_kda crossover (N=32, graph ms): " + "; ".join(steps)]
+    return "\n".join(lines) + "\n"
