@@ -51,10 +51,11 @@ def interpreter_refusal() -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
-def spawn(tmp_path, world, backend, layout=False, with_h0=True, mismatch=False):
+def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False):
     if backend == "triton" and (why := interpreter_refusal()):
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the children inherit it: Triton on CPU tensors
+    # The children inherit it (Triton on CPU tensors); monkeypatch restores this process's.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), backend, layout, with_h0, mismatch), nprocs=world)
 
 
@@ -62,12 +63,12 @@ def spawn(tmp_path, world, backend, layout=False, with_h0=True, mismatch=False):
     "world, backend, layout, with_h0",
     [(2, "torch", False, True), (2, "triton", True, True), (4, "torch", True, False), (4, "triton", False, True)],
 )
-def test_sharded_call_equals_the_unsharded_one(tmp_path, world, backend, layout, with_h0):
-    spawn(tmp_path, world, backend, layout, with_h0)
+def test_sharded_call_equals_the_unsharded_one(tmp_path, monkeypatch, world, backend, layout, with_h0):
+    spawn(tmp_path, monkeypatch, world, backend, layout, with_h0)
 
 
-def test_ranks_with_different_slices_fail_on_every_rank(tmp_path):
-    spawn(tmp_path, 2, "torch", mismatch=True)
+def test_ranks_with_different_slices_fail_on_every_rank(tmp_path, monkeypatch):
+    spawn(tmp_path, monkeypatch, 2, "torch", mismatch=True)
 
 
 def test_cp_group_refusals():

@@ -1,7 +1,8 @@
-"""The one-launch decode kernel (kda.triton.decode) on plain calls: fused_recurrent_kda with
-up to dispatch.RECURRENT_DECODE_TOKENS tokens per sequence and chunk_kda with up to
-dispatch.CHUNK_DECODE_TOKENS run it; against the float64 token loop for every flag, and the
-dispatch proves the kernel ran. Pools through the same kernel: tests/test_pools.py."""
+"""The one-launch decode kernel (kda.triton.decode) on plain calls: 1 to 64 tokens per
+sequence against the float64 token loop for every flag and both launch shapes; calls whose
+longest sequence has at most dispatch.DECODE_TOKENS tokens take it (fused_recurrent_kda and
+chunk_kda), and the dispatch record proves it ran. Pools through the same kernel:
+tests/test_pools.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import kda
 from helpers import DEVICE, assert_close_fp64, fp64_reference, make_case
 from kda import dispatch
 from kda.api import checked_problem
+from kda.triton.decode import decode
 
 # float32 inputs: the loop in float32 against float64. 16-bit inputs: their rounding, as the
 # chunk kernels' bar (tests/test_triton.py), and the interpreter truncates (twice the error).
@@ -42,13 +44,16 @@ def decode_call(case, backend="triton", fn=kda.fused_recurrent_kda, **over):
     neg_eigval=st.booleans(),
     state=st.sampled_from(["none", "float32", "bfloat16"]),
     final_bf16=st.booleans(),
+    launch=st.sampled_from([None, (16, 1), (8, 2)]),
     seed=st.integers(0, 9999),
 )
 @example(lens=[64, 0, 1], batch=1, T=1, dtype=torch.float32, gate="softplus", K=20, V=40, group=2, layout=True,
-         l2norm=True, neg_eigval=True, state="bfloat16", final_bf16=False, seed=3)  # fmt: skip
+         l2norm=True, neg_eigval=True, state="bfloat16", final_bf16=False, launch=(16, 1), seed=3)  # fmt: skip
 def test_decode_kernel_matches_the_fp64_token_loop(
-    lens, batch, T, dtype, gate, K, V, group, layout, l2norm, neg_eigval, state, final_bf16, seed
+    lens, batch, T, dtype, gate, K, V, group, layout, l2norm, neg_eigval, state, final_bf16, launch, seed
 ):  # fmt: skip
+    """The kernel itself (kda.triton.decode.decode), at its chosen launch shape or a forced
+    one (``launch``: V columns, warps)."""
     shape = dict(seq_lens=lens) if lens is not None else dict(B=batch, T=T)
     case = make_case(**shape, H=1, HV=group, K=K, V=V, dtype=dtype, gate=gate, state_v_first=layout,
                      with_state=state != "none", device=DEVICE, seed=seed, steep_steps=1)  # fmt: skip
@@ -56,8 +61,10 @@ def test_decode_kernel_matches_the_fp64_token_loop(
     if state == "bfloat16":
         case.initial_state = case.initial_state.to(torch.bfloat16)
     final_dtype = torch.bfloat16 if final_bf16 else torch.float32
-    o, ht, events = decode_call(case, allow_neg_eigval=neg_eigval, final_state_dtype=final_dtype)
-    assert "triton:decode" in events, events
+    kw = case.kwargs(allow_neg_eigval=neg_eigval, final_state_dtype=final_dtype)
+    kw.pop("safe_gate", None)
+    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+    o, ht = decode(p, *(launch or ()))
     assert o.dtype == dtype and ht.dtype == final_dtype
     o_ref, ht_ref = fp64_reference(case, allow_neg_eigval=neg_eigval)
     state_bar = max(BAR[dtype], 5e-3 if final_bf16 else 0.0)  # a bf16 final state: its own rounding
@@ -66,21 +73,17 @@ def test_decode_kernel_matches_the_fp64_token_loop(
 
 
 def test_no_final_state_asked_none_returned():
-    case = make_case(B=2, T=3, H=1, K=16, V=16, device=DEVICE, seed=81)
+    case = make_case(B=2, T=dispatch.DECODE_TOKENS, H=1, K=16, V=16, device=DEVICE, seed=81)
     o, ht, events = decode_call(case, output_final_state=False)
     assert ht is None and "triton:decode" in events
     o_ref, _ = fp64_reference(case)
     assert_close_fp64(o, o_ref, BAR[torch.float32], "o")
 
 
+@pytest.mark.parametrize("fn", [kda.fused_recurrent_kda, kda.chunk_kda])
 @pytest.mark.parametrize(
-    "fn, tokens, kernel",
-    [
-        (kda.fused_recurrent_kda, dispatch.RECURRENT_DECODE_TOKENS, "triton:decode"),
-        (kda.fused_recurrent_kda, dispatch.RECURRENT_DECODE_TOKENS + 1, "triton:recurrence_v_split"),
-        (kda.chunk_kda, dispatch.CHUNK_DECODE_TOKENS, "triton:decode"),
-        (kda.chunk_kda, dispatch.CHUNK_DECODE_TOKENS + 1, "triton:recurrence_v_split"),
-    ],
+    "tokens, kernel",
+    [(dispatch.DECODE_TOKENS, "triton:decode"), (dispatch.DECODE_TOKENS + 1, "triton:recurrence_v_split")],
 )
 def test_short_sequences_take_the_decode_kernel_longer_ones_the_chunks(fn, tokens, kernel):
     """The longest sequence decides (varlen: one long sequence among short ones), and both
@@ -95,7 +98,7 @@ def test_short_sequences_take_the_decode_kernel_longer_ones_the_chunks(fn, token
 
 def test_calls_with_grad_keep_the_chunk_kernels():
     """The decode kernel has no backward: a call that trains goes through the custom op."""
-    case = make_case(B=1, T=4, H=1, K=16, V=16, device=DEVICE, seed=83)
+    case = make_case(B=1, T=1, H=1, K=16, V=16, device=DEVICE, seed=83)
     q = case.q.clone().requires_grad_()
     kw = case.kwargs()
     kw.pop("safe_gate", None)

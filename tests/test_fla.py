@@ -122,9 +122,10 @@ def test_fla_decode_reaches_kda_on_cpu(fla_kda):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_decode_in_place_final_state_and_refusals(fla_kda):
+def test_decode_in_place_final_state_pools_and_refusals(fla_kda):
     """The entry point's own contract: inplace_final_state writes the final state into the
-    initial one; state pools and ``out=`` fall through (kda has neither yet)."""
+    initial one (slot n, or the slots of ssm_state_indices: kda's pool path, equal to a kda
+    pool call); ``out=`` and calls kda's checks refuse fall through, saying why."""
     from fla import backends
 
     case = make_case(seq_lens=[2, 3], H=1, K=16, V=16, seed=45)
@@ -137,10 +138,23 @@ def test_decode_in_place_final_state_and_refusals(fla_kda):
     _, want = kda.fused_recurrent_kda(case.q, case.k, case.v, case.g, case.beta, output_final_state=True,
                                       **dict(kw, initial_state=case.initial_state))  # fmt: skip
     assert ht is h0 and torch.equal(h0, want)
-    for name in ("ssm_state_indices", "out"):
-        accepted, why = backend.verify("fused_recurrent_kda_fwd", case.q, case.k, case.v, case.g, case.beta,
-                                       **dict(kw, **{name: torch.zeros(1)}))  # fmt: skip
-        assert not accepted and name in why
+
+    pool = torch.randn(4, *case.initial_state.shape[1:])
+    slots = torch.tensor([3, 0], dtype=torch.int32)
+    mine, before = pool.clone(), pool.clone()
+    args = (case.q, case.k, case.v, case.g, case.beta)
+    accepted, why = backend.verify("fused_recurrent_kda_fwd", *args, **dict(kw, initial_state=pool,
+                                   ssm_state_indices=slots))  # fmt: skip
+    assert accepted, why
+    backend.fused_recurrent_kda_fwd(*args, **dict(kw, initial_state=pool, ssm_state_indices=slots))
+    kda.fused_recurrent_kda(*args, **dict(kw, initial_state=mine, inplace_final_state=True, ssm_state_indices=slots))
+    assert torch.equal(pool, mine)
+    assert not torch.equal(pool[3], before[3]) and torch.equal(pool[[1, 2]], before[[1, 2]])
+    bad_indices = torch.zeros(2, dtype=torch.float32)
+    for over, says in (({"out": torch.zeros(1)}, "`out`"),
+                       ({"ssm_state_indices": bad_indices}, "kda cannot take the call")):  # fmt: skip
+        accepted, why = backend.verify("fused_recurrent_kda_fwd", *args, **dict(kw, **over))
+        assert not accepted and says in why, why
 
 
 @pytest.mark.gpu
@@ -156,3 +170,24 @@ def test_gpu_fla_chunk_kda_runs_the_cuda_kernels(fla_kda, caplog):
     assert events[:3] == ["chunk_kda -> cuda", "cuda:prepare", "cuda:recurrence"], events
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert any(line.endswith("chunk_kda -> kda") for line in fla_log_lines(caplog))
+
+
+@pytest.mark.gpu
+def test_gpu_fla_pooled_decode_runs_the_decode_kernel(fla_kda):
+    """On a GPU fla's decode entry point with a state pool (what serving engines call) runs
+    kda's decode kernel, equal to kda's own pool call."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    case = make_case(B=4, T=1, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=47)
+    pool = torch.randn(6, 2, 128, 128, device="cuda")
+    mine = pool.clone()
+    slots = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device="cuda")
+    kw = dict(A_log=case.A_log, dt_bias=case.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)  # fmt: skip
+    with kda.record_dispatch() as events:
+        fused_recurrent_kda_fwd(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                ssm_state_indices=slots, **kw)  # fmt: skip
+    assert "triton:pooled_decode" in events, events
+    kda.fused_recurrent_kda(*case.tensors(), initial_state=mine, inplace_final_state=True, ssm_state_indices=slots,
+                            **kw)  # fmt: skip
+    assert torch.equal(pool, mine)

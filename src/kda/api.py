@@ -162,18 +162,11 @@ def fused_recurrent_kda(
     launch (``kda.triton.decode``), torch in its token loop.
     """
     if inplace_final_state or ssm_state_indices is not None or num_accepted_tokens is not None:
-        if not inplace_final_state:
-            raise ValueError("`ssm_state_indices` / `num_accepted_tokens` need `inplace_final_state=True` "
-                             "(the pool in `initial_state` is updated in place)")  # fmt: skip
-        if initial_state is None:
-            raise ValueError("`inplace_final_state=True` needs the state pool in `initial_state`")
-        problem = validation.check_problem(
-            "fused_recurrent_kda", q, k, v, g, beta, scale, None, False,
-            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
-            lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+        problem = pooled_problem(
+            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, final_state_dtype,
+            inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs,
         )  # fmt: skip
-        problem.requires_grad = problem.requires_grad or initial_state.requires_grad
-        problem = validation.check_pool(problem, initial_state, ssm_state_indices, num_accepted_tokens)
         return dispatch.select(problem, backend).run(problem)
     problem = validation.check_problem(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -181,6 +174,27 @@ def fused_recurrent_kda(
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
     )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
+
+
+def pooled_problem(
+    q, k, v, g, beta, A_log, dt_bias, scale, pool, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, final_state_dtype,
+    inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs,
+) -> validation.Problem:  # fmt: skip
+    """The checked call of a fused_recurrent_kda through a state pool (``pool``: its
+    ``initial_state``); raises as that call would."""
+    if not inplace_final_state:
+        raise ValueError("`ssm_state_indices` / `num_accepted_tokens` need `inplace_final_state=True` "
+                         "(the pool in `initial_state` is updated in place)")  # fmt: skip
+    if pool is None:
+        raise ValueError("`inplace_final_state=True` needs the state pool in `initial_state`")
+    problem = validation.check_problem(
+        "fused_recurrent_kda", q, k, v, g, beta, scale, None, False,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
+        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+    )  # fmt: skip
+    problem.requires_grad = problem.requires_grad or pool.requires_grad
+    return validation.check_pool(problem, pool, ssm_state_indices, num_accepted_tokens)
 
 
 # chunk_kda's parameters after the five tensors that a call it makes again passes on

@@ -63,11 +63,13 @@ _lock = threading.Lock()
 
 
 # The longest sequence (tokens) a call may have for the one-launch decode kernel
-# (kda.triton.decode) to run it instead of the chunk kernels. fused_recurrent_kda: fla's
-# decode range (1 to 64 tokens: decode steps and speculative drafts). chunk_kda: where the
-# decode kernel measured faster than the two chunk stages (benchmarks/NOTES.md, decode).
-RECURRENT_DECODE_TOKENS = 64
-CHUNK_DECODE_TOKENS = 16
+# (kda.triton.decode) to run it instead of the chunk stages, fused_recurrent_kda and
+# chunk_kda alike (they compute the same function). Measured on an H200 (2026-12-01,
+# benchmarks/results/h200-2026-12-01-decode.json, N=32, H=32, graph replay): one token
+# 0.046 ms against 0.074 for the CUDA chunk path, two tokens a tie (0.077 / 0.075), and the
+# token loop loses from there (16 tokens: 0.334 / 0.080; 64: 1.23 / 0.13). State pools take
+# the decode kernel at any length (speculative decoding writes a state per token).
+DECODE_TOKENS = 2
 
 
 def prefers_decode(p: Problem) -> bool:
@@ -75,8 +77,7 @@ def prefers_decode(p: Problem) -> bool:
     enough that one launch walking the tokens beats the prepare and recurrence stages."""
     if p.requires_grad or torch.compiler.is_compiling():
         return False
-    limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
-    return p.longest <= limit
+    return p.longest <= DECODE_TOKENS
 
 
 def get_backend(name: str) -> Backend:

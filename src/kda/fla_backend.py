@@ -17,10 +17,12 @@ What kda takes:
   gradients come from kda's Triton backward), except calls on a GPU that kda could only run
   on its torch reference (fla's kernels are faster there) and fla's features kda does not have
   (``cp_context``, ``return_intermediate_states``): those fall through to fla.
-- fla's decode entry point ``fused_recurrent_kda_fwd`` (operation ``kda``): CPU tensors only,
-  where fla's Triton kernel cannot run. On a GPU kda's decode is still slower than fla's
-  (it runs the chunk kernels), so GPU calls fall through; so do state pools
-  (``ssm_state_indices``, ``num_accepted_tokens``) and ``out=``, which kda lacks.
+- fla's decode entry point ``fused_recurrent_kda_fwd`` (operation ``kda``, what serving
+  engines call): every call kda's checks accept, state pools included (``inplace_final_state``
+  with ``ssm_state_indices`` and ``num_accepted_tokens``: kda's decode kernel, 0.73-0.98 of
+  fla's time on an H200, benchmarks/results/h200-2026-12-01-decode.md), and CPU tensors, where
+  fla's Triton kernel cannot run. ``out=``, and GPU calls kda could only run on its torch
+  reference, fall through to fla.
 
 Importing kda never imports fla; this module imports it when :func:`register_fla_backend`
 runs.
@@ -65,14 +67,35 @@ def _auto_choice(problem, dispatch) -> str:
 
 def _decode_refusal(call: dict) -> str | None:
     """Why kda does not take fla's ``fused_recurrent_kda_fwd`` call (its arguments by name)."""
-    for name in ("ssm_state_indices", "num_accepted_tokens", "out"):
-        if call.get(name) is not None:
-            return f"`{name}` is not supported by kda yet"
-    if call["inplace_final_state"] and call["initial_state"] is None:
-        return "inplace_final_state=True without an initial_state"
-    if call["q"].is_cuda:
-        return "kda's decode on a GPU is slower than fla's (it runs the chunk kernels); fla's kernel runs it"
+    from kda import api, dispatch
+
+    if call.get("out") is not None:
+        return "`out` is not supported by kda"
+    try:
+        problem = _decode_problem(api, call)
+    except (TypeError, ValueError) as err:
+        return f"kda cannot take the call: {err}"
+    if problem.q.is_cuda and _auto_choice(problem, dispatch) == "torch":
+        return f"kda would run its torch reference here ({problem.describe()}); fla's kernel is faster"
     return None
+
+
+def _decode_problem(api, call: dict):
+    """kda's checked call for fla's decode arguments: a pool call when fla updates the state
+    in place (slot n for sequence n, or the slots of ``ssm_state_indices``), else a plain one."""
+    c = call
+    if c["inplace_final_state"]:
+        return api.pooled_problem(
+            c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["scale"], c["initial_state"],
+            c["use_qk_l2norm_in_kernel"], c["use_gate_in_kernel"], c["use_beta_sigmoid_in_kernel"],
+            c["allow_neg_eigval"], c["lower_bound"], c["state_v_first"], c["cu_seqlens"], None, True,
+            c["ssm_state_indices"], c["num_accepted_tokens"], {},
+        )  # fmt: skip
+    return api.checked_problem(
+        api.fused_recurrent_kda, c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["scale"],
+        c["initial_state"], c["output_final_state"], c["use_qk_l2norm_in_kernel"], c["use_gate_in_kernel"],
+        c["use_beta_sigmoid_in_kernel"], c["allow_neg_eigval"], c["lower_bound"], c["state_v_first"], c["cu_seqlens"],
+    )  # fmt: skip
 
 
 def _make_backends():
@@ -118,15 +141,18 @@ def _make_backends():
         ):  # fmt: skip
             import kda
 
-            o, ht = kda.fused_recurrent_kda(
-                q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
-                output_final_state or inplace_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            if inplace_final_state:  # fla's contract: the pool in initial_state is updated in place
+                return kda.fused_recurrent_kda(
+                    q, k, v, g, beta, A_log, dt_bias, scale, initial_state, False, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                    cu_seqlens, inplace_final_state=True, ssm_state_indices=ssm_state_indices,
+                    num_accepted_tokens=num_accepted_tokens,
+                )  # fmt: skip
+            return kda.fused_recurrent_kda(
+                q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                cu_seqlens,
             )  # fmt: skip
-            if inplace_final_state:  # fla's contract: the final state overwrites the initial one
-                initial_state.copy_(ht)
-                ht = initial_state
-            return o, ht
 
     return KDAChunkBackend, KDADecodeBackend
 

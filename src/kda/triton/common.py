@@ -43,9 +43,16 @@ def safe_gate_path(p) -> bool:
     return p.gate_form == "lower_bound" and p.lower_bound >= SAFE_LOWER_BOUND_MIN
 
 
+# Read once, when this module (and so every kernel of kda.triton) is defined: triton.jit takes
+# its mode from TRITON_INTERPRET at definition, so a later change of the variable (a test
+# setting it for child processes, seen 2026-12-01 on the H200) changes nothing here either.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (kernels run on CPU tensors through numpy)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when kda's kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU
+    tensors through numpy)."""
+    return _INTERPRETING
 
 
 @triton.jit

@@ -22,10 +22,11 @@ import triton.language as tl
 
 from kda.triton.prepare import L2NORM_EPS, _gate
 
-DECODE_BV = 32  # V columns a program carries at most; the state slice [BV, K] in float32 registers
-DECODE_BV_MIN = 8  # the fewest: below this a program's loads of q, k and g outweigh its state slice
-DECODE_FILL_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): fewer leave SMs idle
+# Launch shapes (see decode_launch): the state slice [BV, K] of a program sits in float32 registers.
+DECODE_BV = 32  # V columns of a program in a small grid, on DECODE_WARPS warps
 DECODE_WARPS = 4
+DECODE_BV_STREAMING = 16  # V columns of a one-warp program in a grid of many
+DECODE_MANY_PROGRAMS = 1024  # programs (at DECODE_BV columns) from which the one-warp shape wins
 
 
 @triton.jit
@@ -114,16 +115,18 @@ def decode_kernel(
         tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask)
 
 
-def decode_block_v(programs_per_column: int, V: int) -> int:
-    """The V columns a program carries: DECODE_BV, halved while the grid would leave SMs
-    idle (one sequence's decode: fewer state values per program, more programs)."""
-    bv = min(DECODE_BV, triton.next_power_of_2(V))
-    while bv > DECODE_BV_MIN and programs_per_column * triton.cdiv(V, bv) < DECODE_FILL_PROGRAMS:
-        bv //= 2
-    return bv
+def decode_launch(p) -> tuple[int, int]:
+    """(V columns per program, warps) for ``p``: measured on an H200 (2026-12-01,
+    benchmarks/results/h200-2026-12-01-decode.json, H=32, K=V=128, float32 states): a grid
+    of many programs (N >= 32) streams the states fastest as one-warp programs of 16 columns
+    (N=256: 0.280 ms against 0.304 at 32 columns and 4 warps; N=1024: 1.089 against 1.183);
+    a small one (N=1) as 4-warp programs of 32 columns (8.3 us; 1 warp: 9.3)."""
+    if p.N * p.HV * triton.cdiv(p.V, DECODE_BV) >= DECODE_MANY_PROGRAMS:
+        return min(DECODE_BV_STREAMING, triton.next_power_of_2(p.V)), 1
+    return min(DECODE_BV, triton.next_power_of_2(p.V)), DECODE_WARPS
 
 
-def decode(p, block_v: int | None = None, num_warps: int = DECODE_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode(p, block_v: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``p`` (a checked call: a pool's, or a plain one with few tokens per sequence) in one
     launch: ``(o, final state)``. A pool is updated in place and returned; a plain call's
     final state is a new tensor (or None without ``output_final_state``). Nothing is built
@@ -142,7 +145,8 @@ def decode(p, block_v: int | None = None, num_warps: int = DECODE_WARPS) -> tupl
     idx = p.state_indices
     mode = 0 if idx is None else idx.dim()
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    BV = block_v or decode_block_v(p.N * p.HV, p.V)
+    BV, warps = decode_launch(p)
+    BV, warps = block_v or BV, num_warps or warps
     decode_kernel[(triton.cdiv(p.V, BV), p.N * p.HV)](
         p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, h0, ht, idx, p.accepted, p.cu_seqlens,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
@@ -151,7 +155,7 @@ def decode(p, block_v: int | None = None, num_warps: int = DECODE_WARPS) -> tupl
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
         VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=num_warps,
+        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=warps,
     )  # fmt: skip
     return o, ht
 
