@@ -21,7 +21,7 @@ python3 -m kda info
 step=${1:-all}
 # steps: all, or one of cuda / quick / bench / train / trainprof / decode / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
-# cuda runs first: it installs the package with its kernels and the later steps use that install.
+# cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
   # The CUDA path from a clean copy: `pip install .` builds the fatbins with nvcc (no network:
   # build requirements come from .whl, CUTLASS headers from the nvidia-cutlass wheel), then
@@ -38,6 +38,17 @@ if [[ $step == all || $step == *cuda* ]]; then
     KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
       -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1; tail -15 "$OUT/pytest-cuda.log"
   fi
+fi
+if [[ $step == *wheel* ]]; then
+  # The prebuilt wheel (built on a CPU machine by `pip wheel .`, carried in .whl) installed with no
+  # nvcc on the PATH: the later steps (tests, compare, decode) import kda and its kernels from it.
+  rm -rf /tmp/kda-install
+  PATH=$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:) python3 -m pip install -q --no-index --no-deps \
+    --target /tmp/kda-install .whl/kda_kernels-*.whl || exit 1
+  ls /tmp/kda-install/kda/cuda/*.fatbin
+  export PYTHONPATH=/tmp/kda-install:/tmp/site
+  (cd /tmp && PATH=$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:) python3 -c "import shutil, kda, kda.cuda
+print('nvcc on PATH:', shutil.which('nvcc'), '| kda from', kda.__file__, '| cuda:', kda.cuda.BACKEND.availability() or 'ready')")
 fi
 if [[ $step == all || $step == *sanitize* ]]; then
   export PYTHONPATH=/tmp/kda-install:/tmp/site
