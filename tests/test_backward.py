@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kda
@@ -319,6 +319,9 @@ fla_available = importlib.util.find_spec("fla") is not None
     layout=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+# Each example may compile the forward and backward kernels afresh (new K, V, gate): 20 of
+# them overran pytest-timeout's 300 s on an H200 run with 14 workers (2026-12-01, run 9).
+@settings(max_examples=8)
 def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, seed):
     """float32 inputs at real head sizes against fp64 autograd of the chunk form on the GPU
     (equal to the token loop's to 1e-15: tests/test_reference.py)."""

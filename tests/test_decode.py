@@ -1,7 +1,7 @@
 """The one-launch decode kernel (kda.triton.decode) on plain calls: 1 to 64 tokens per
 sequence against the float64 token loop for every flag and both launch shapes; calls whose
-longest sequence has at most dispatch.DECODE_TOKENS tokens take it (fused_recurrent_kda and
-chunk_kda), and the dispatch record proves it ran. Pools through the same kernel:
+longest sequence is short take it (fused_recurrent_kda up to dispatch.RECURRENT_DECODE_TOKENS,
+chunk_kda up to dispatch.CHUNK_DECODE_TOKENS), and the dispatch record proves it ran. Pools through the same kernel:
 tests/test_pools.py."""
 
 from __future__ import annotations
@@ -73,17 +73,21 @@ def test_decode_kernel_matches_the_fp64_token_loop(
 
 
 def test_no_final_state_asked_none_returned():
-    case = make_case(B=2, T=dispatch.DECODE_TOKENS, H=1, K=16, V=16, device=DEVICE, seed=81)
+    case = make_case(B=2, T=dispatch.RECURRENT_DECODE_TOKENS, H=1, K=16, V=16, device=DEVICE, seed=81)
     o, ht, events = decode_call(case, output_final_state=False)
     assert ht is None and "triton:decode" in events
     o_ref, _ = fp64_reference(case)
     assert_close_fp64(o, o_ref, BAR[torch.float32], "o")
 
 
-@pytest.mark.parametrize("fn", [kda.fused_recurrent_kda, kda.chunk_kda])
 @pytest.mark.parametrize(
-    "tokens, kernel",
-    [(dispatch.DECODE_TOKENS, "triton:decode"), (dispatch.DECODE_TOKENS + 1, "triton:recurrence_v_split")],
+    "fn, tokens, kernel",
+    [
+        (kda.fused_recurrent_kda, dispatch.RECURRENT_DECODE_TOKENS, "triton:decode"),
+        (kda.fused_recurrent_kda, dispatch.RECURRENT_DECODE_TOKENS + 1, "triton:recurrence_v_split"),
+        (kda.chunk_kda, dispatch.CHUNK_DECODE_TOKENS, "triton:decode"),
+        (kda.chunk_kda, dispatch.CHUNK_DECODE_TOKENS + 1, "triton:recurrence_v_split"),
+    ],
 )
 def test_short_sequences_take_the_decode_kernel_longer_ones_the_chunks(fn, tokens, kernel):
     """The longest sequence decides (varlen: one long sequence among short ones), and both

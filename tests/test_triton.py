@@ -118,7 +118,7 @@ def test_auto_prefers_torch_to_the_interpreter_on_cpu_tensors(caplog):
 
 def test_fused_recurrent_on_triton_equals_chunk():
     """Sequences past the decode kernel's range run the chunk stages (a chunk may be short)."""
-    case = make_case(seq_lens=[1, 1, 3, 0, dispatch.DECODE_TOKENS + 2], H=2, K=16, V=16, device=DEVICE,
+    case = make_case(seq_lens=[1, 1, 3, 0, dispatch.RECURRENT_DECODE_TOKENS + 2], H=2, K=16, V=16, device=DEVICE,
                      seed=9)  # fmt: skip
     kw = case.kwargs()
     kw.pop("safe_gate", None)

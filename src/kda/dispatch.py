@@ -62,22 +62,27 @@ _recorders: list[list[str]] = []
 _lock = threading.Lock()
 
 
-# The longest sequence (tokens) a call may have for the one-launch decode kernel
-# (kda.triton.decode) to run it instead of the chunk stages, fused_recurrent_kda and
-# chunk_kda alike (they compute the same function). Measured on an H200 (2026-12-01,
-# benchmarks/results/h200-2026-12-01-decode.json, N=32, H=32, graph replay): one token
-# 0.046 ms against 0.074 for the CUDA chunk path, two tokens a tie (0.077 / 0.075), and the
-# token loop loses from there (16 tokens: 0.334 / 0.080; 64: 1.23 / 0.13). State pools take
-# the decode kernel at any length (speculative decoding writes a state per token).
-DECODE_TOKENS = 2
+# The longest sequence (tokens) a call without grad may have for the one-launch decode
+# kernel (kda.triton.decode) to run it instead of the chunk stages. Measured on an H200
+# (2026-12-01, benchmarks/results/h200-2026-12-01-decode.json, N=32, H=32, graph replay):
+# chunk_kda: one token 0.046 ms against 0.074 for the CUDA chunk path, two a tie (0.077 /
+# 0.075), the token loop loses from there (16 tokens: 0.334 / 0.080). fused_recurrent_kda
+# keeps the token loop over fla's decode range (1 to 64 tokens: decode steps, speculative
+# drafts): the chunk path's bf16 operands would cost the recurrent form's accuracy (N=32,
+# 4 tokens: final state 2.3e-3 from fp64 on the chunk path, 8.6e-8 on the decode kernel,
+# fla's 9.2e-8). State pools take the decode kernel at any length.
+CHUNK_DECODE_TOKENS = 2
+RECURRENT_DECODE_TOKENS = 64
 
 
 def prefers_decode(p: Problem) -> bool:
     """Whether a call without grad should run on the decode kernel: its sequences are short
-    enough that one launch walking the tokens beats the prepare and recurrence stages."""
+    enough that one launch walking the tokens beats the prepare and recurrence stages (or,
+    for fused_recurrent_kda, keeps the token loop's accuracy)."""
     if p.requires_grad or torch.compiler.is_compiling():
         return False
-    return p.longest <= DECODE_TOKENS
+    limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
+    return p.longest <= limit
 
 
 def get_backend(name: str) -> Backend:

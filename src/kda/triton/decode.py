@@ -116,12 +116,14 @@ def decode_kernel(
 
 
 def decode_launch(p) -> tuple[int, int]:
-    """(V columns per program, warps) for ``p``: measured on an H200 (2026-12-01,
-    benchmarks/results/h200-2026-12-01-decode.json, H=32, K=V=128, float32 states): a grid
-    of many programs (N >= 32) streams the states fastest as one-warp programs of 16 columns
-    (N=256: 0.280 ms against 0.304 at 32 columns and 4 warps; N=1024: 1.089 against 1.183);
-    a small one (N=1) as 4-warp programs of 32 columns (8.3 us; 1 warp: 9.3)."""
-    if p.N * p.HV * triton.cdiv(p.V, DECODE_BV) >= DECODE_MANY_PROGRAMS:
+    """(V columns per program, warps) for ``p``, as measured on an H200 (2026-12-01, H=32,
+    K=V=128; benchmarks/NOTES.md, decode): in a grid of many programs (N >= 32) one-warp
+    programs of 16 columns stream plain calls' states fastest (float32, N=256: 0.279 ms
+    against 0.303 at 32 columns and 4 warps) and bfloat16 pools' (0.207 / 0.247); float32
+    pools, whose programs first load their slot index, keep 32 x 4 (0.318 / 0.347). A
+    small grid (N=1) takes 32 x 4 (8.3 us; 1 warp: 9.3)."""
+    many = p.N * p.HV * triton.cdiv(p.V, DECODE_BV) >= DECODE_MANY_PROGRAMS
+    if many and not (p.pool is not None and p.pool.dtype == torch.float32):
         return min(DECODE_BV_STREAMING, triton.next_power_of_2(p.V)), 1
     return min(DECODE_BV, triton.next_power_of_2(p.V)), DECODE_WARPS
 
