@@ -1,13 +1,15 @@
 """The CUDA backend. On any machine: the build produced the kernels where nvcc exists, the
-Python mirror of the kernels' parameter block matches the header, and unsupported calls are
+compiler lays out the shared ABI (src/kda/abi.py) as the loader's ctypes do, and unsupported calls are
 refused with the feature named. On a Hopper GPU (``gpu`` marker): CUDA against the fp64
 reference and against Triton, full writes, no stray writes, strict causality, the fast path
 really running, CUDA-graph capture."""
 
+import ctypes
 import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -26,6 +28,7 @@ from helpers import (
     make_case,
     rel,
 )
+from kda import abi
 from kda.api import checked_problem
 from kda.cuda import BACKEND, loader
 from kda.cuda.forward import recurrence_warps
@@ -49,11 +52,17 @@ def test_kernels_built_where_nvcc_exists():
 REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128}
 
 
+def abi_include(tmp_path: Path) -> Path:
+    """A folder holding kda_abi.h as the build generates it (src/kda/abi.py)."""
+    (tmp_path / "kda_abi.h").write_text(abi.header())
+    return tmp_path
+
+
 def ptxas_report(source: Path, include: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
     """kernel -> (registers, spill bytes) from ``ptxas -v``, with the build's nvcc flags."""
     result = subprocess.run(
         ["nvcc", "-cubin", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-I", str(include),
-         "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"), str(source)],
+         "-I", str(abi_include(tmp_path)), "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"), str(source)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     report = {}
@@ -96,29 +105,46 @@ def test_a_build_whose_bulk_copies_would_trap_fails(tmp_path):
     fail, naming the fix, rather than ship kernels that trap (kda_cuda.cuh)."""
     result = subprocess.run(
         ["nvcc", "-cubin", "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_100", "-I", str(cutlass_include()),
-         "-o", str(tmp_path / "recurrence.cubin"), str(SOURCES / "recurrence.cu")],
+         "-I", str(abi_include(tmp_path)), "-o", str(tmp_path / "recurrence.cubin"), str(SOURCES / "recurrence.cu")],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode != 0 and "bulk (TMA) copies are disabled" in result.stderr, result.stderr[-2000:]
 
 
-def test_params_mirror_matches_the_header():
-    body = HEADER[HEADER.index("struct Params {") : HEADER.index("};", HEADER.index("struct Params {"))]
-    names = re.findall(r"^\s+[\w\s\*]+?\b(\w+);", body, flags=re.M)
-    assert names == [name for name, _ in loader.Params._fields_]
-    assert f"kParamsFields = {len(names)}" in HEADER
-    flags = dict(re.findall(r"k(\w+) = 1 << (\d+)", HEADER))
-    # name to bit, both sides (kGateLowerBound = 1 << 0 against "gate_lower_bound": 1 << 0)
-    assert all(v == 1 << (v.bit_length() - 1) for v in loader.FLAGS.values()), loader.FLAGS
-    header_bits = {name.lower(): int(bit) for name, bit in flags.items()}
-    assert header_bits == {n.replace("_", "").lower(): v.bit_length() - 1 for n, v in loader.FLAGS.items()}
-    recurrence = (SOURCES / "recurrence.cu").read_text()
-    prepare = (SOURCES / "prepare.cu").read_text()
-    assert f"kThreads = {loader.PREPARE_THREADS};" in prepare
-    assert f"kStages = {loader.STAGES};" in recurrence
-    widths = re.findall(r"Stage<(\d+)>::kSharedBytes == (\d+)", recurrence)
-    assert {int(w): int(b) for w, b in widths} == {w: loader.stage_bytes(w) for w in loader.RECURRENCE_WIDTHS}
-    assert all(f"kda_recurrence_w{w}(" in recurrence for w in loader.RECURRENCE_WIDTHS)
+def test_the_compiler_lays_out_the_abi_as_ctypes_does(tmp_path):
+    """kda_abi.h (generated from src/kda/abi.py) as nvcc compiles it against the loader's
+    ctypes mirror of the same list: every Params field at the offset and size ctypes gives
+    it, each flag at its bit, the workspace offsets and the launch constants. A C type of
+    another width in abi.PARAMS, or a generator slip, fails here at compile time."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    checks = [f"sizeof(kda::Params) == {ctypes.sizeof(loader.Params)}"]
+    checks += [f"offsetof(kda::Params, {name}) == {getattr(loader.Params, name).offset} && "
+               f"sizeof(kda::Params::{name}) == {getattr(loader.Params, name).size}"
+               for name, _ in loader.Params._fields_]  # fmt: skip
+    checks += [f"kda::{abi.c_flag_name(name)} == {bit}" for name, bit in loader.FLAGS.items()]
+    checks += [f"kda::WorkspaceLayout::{name} == {offset}" for name, (offset, _, _) in loader.WORKSPACE_FIELDS.items()]
+    checks += [f"kda::kWorkspaceBytes == {loader.WORKSPACE_BYTES}", f"kda::kStages == {loader.STAGES}",
+               f"kda::kPrepareThreads == {loader.PREPARE_THREADS}", f"kda::kHeadDim == {loader.HEAD_DIM}"]  # fmt: skip
+    checks += [
+        f"kda::recurrence_shared_bytes({w}) == {loader.RECURRENCE_KERNELS[w][1]}" for w in loader.RECURRENCE_WIDTHS
+    ]
+    probe = tmp_path / "probe.cu"
+    probe.write_text('#include <cstddef>\n#include "kda_abi.h"\n'
+                     + "".join(f'static_assert({c}, "{c}");\n' for c in checks))  # fmt: skip
+    result = subprocess.run(["nvcc", "-std=c++17", "-c", "-I", str(abi_include(tmp_path)), "-o",
+                             str(tmp_path / "probe.o"), str(probe)], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_abi_generator_writes_what_the_build_runs(tmp_path):
+    """CMakeLists.txt runs ``python src/kda/abi.py <header>``: the script, run that way (no
+    package import), writes abi.header(), and the kernels include that file."""
+    out = tmp_path / "kda_abi.h"
+    subprocess.run([sys.executable, str(Path(abi.__file__)), str(out)], check=True)
+    assert out.read_text() == abi.header()
+    assert '#include "kda_abi.h"' in HEADER
+    assert 'src/kda/abi.py" "${KDA_ABI_HEADER}"' in (Path(__file__).parents[1] / "CMakeLists.txt").read_text()
 
 
 def test_tile_swizzle_matches_the_header_formula():
@@ -130,19 +156,6 @@ def test_tile_swizzle_matches_the_header_formula():
         for c in range(0, 128, 3):
             assert stored[(r * 256 + ((c // 8) ^ (r % 8)) * 16 + (c % 8) * 2) // 2] == tile[r, c]
     assert torch.equal(loader.swizzle_tiles(loader.swizzle_tiles(tile)), tile)
-
-
-def test_workspace_layout_matches_the_header():
-    """loader.WORKSPACE_FIELDS lists the header's fields in order, each starting where the
-    previous one ends, and the block ends at WORKSPACE_BYTES."""
-    header_fields = re.findall(r"static constexpr int (\w+) = (?!kChunk)", HEADER)
-    header_fields = [f for f in header_fields if f not in ("kTileBytes", "kSquareBytes", "bytes")]
-    assert header_fields == list(loader.WORKSPACE_FIELDS)
-    end = 0
-    for offset, dtype, shape in loader.WORKSPACE_FIELDS.values():
-        assert offset == end
-        end = offset + getattr(torch, dtype).itemsize * torch.Size(shape).numel()
-    assert end == loader.WORKSPACE_BYTES
 
 
 def test_workspace_views_decode_the_block_layout():

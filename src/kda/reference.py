@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-CHUNK = 16
-L2NORM_EPS = 1e-6
-
+from kda.abi import CHUNK, L2NORM_EPS  # the kernels' chunk and l2norm epsilon (one source)
 
 # ----------------------------------------------------------------------------- helpers
 

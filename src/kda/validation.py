@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kda.abi import SAFE_LOWER_BOUND_MIN
+
 MAX_HEAD_DIM = 256
-SAFE_LOWER_BOUND_MIN = -5.0
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Per input dtype (q's): the dtypes g and beta may have, and those of the states: float32
 # (fla's only choice) or bfloat16 (kda's extension; carried in float32 inside), float64 with

@@ -1,11 +1,14 @@
-// Shared definitions of the two Hopper kernels (prepare.cu, recurrence.cu): the parameter
-// block both take, the per-(chunk, head) workspace layout between them, and the warp-level
-// tensor-core and copy helpers, which are CuTe's atoms (SM80 mma.sync and cp.async, SM75
-// ldmatrix, SM90 bulk copies with transaction-count mbarriers).
+// Shared definitions of the two Hopper kernels (prepare.cu, recurrence.cu): the tile layout of
+// the workspace between them and the warp-level tensor-core and copy helpers, which are CuTe's
+// atoms (SM80 mma.sync and cp.async, SM75 ldmatrix, SM90 bulk copies with transaction-count
+// mbarriers). The parameter block, its flags, the workspace layout and the constants Python
+// shares come from kda_abi.h, which the build generates from src/kda/abi.py.
 #pragma once
 
 #include <cstdint>
 #include <cuda_bf16.h>
+
+#include "kda_abi.h"
 
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
@@ -22,74 +25,11 @@
 
 namespace kda {
 
-constexpr int kChunk = 16;      // tokens per chunk
-constexpr int kHeadDim = 128;   // K = V = 128 on this path (others go to Triton)
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kExp2Limit = 116.0f;  // 2^116 * |k| stays far below the float32 maximum
-constexpr float kL2normEps = 1e-6f;
 
-// Flag bits of Params::flags.
-enum : int64_t {
-  kGateLowerBound = 1 << 0,  // g holds raw gate activations: g = lb * sigmoid(exp(A_log) (g + dt_bias))
-  kHasALog = 1 << 1,
-  kHasDtBias = 1 << 2,
-  kL2norm = 1 << 3,
-  kBetaSigmoid = 1 << 4,
-  kHasH0 = 1 << 5,
-  kStoreHt = 1 << 6,
-  kStateVFirst = 1 << 7,  // states are [N, HV, V, K] (VK); otherwise [N, HV, K, V]
-  kGFloat32 = 1 << 8,     // g is float32 (else bfloat16)
-  kBetaFloat32 = 1 << 9,  // beta is float32 (else bfloat16)
-  kH0Bfloat16 = 1 << 10,  // the initial state is bfloat16 (else float32); carried in float32
-  kHtBfloat16 = 1 << 11,  // the final state is stored in bfloat16 (else float32)
-};
-
-// One parameter block for both kernels, passed by value. Every field is 8 bytes so that
-// the Python side (kda/cuda/loader.py, ctypes) mirrors it without padding rules; the
-// static_assert below and the loader's check keep the two in step.
-struct Params {
-  const __nv_bfloat16* q;  // [T_total, H, 128]
-  const __nv_bfloat16* k;  // [T_total, H, 128]
-  const __nv_bfloat16* v;  // [T_total, H, 128]
-  const void* g;           // [T_total, H, 128], bf16 or fp32
-  const void* beta;        // [T_total, H], bf16 or fp32
-  const float* A_log;      // [H]
-  const float* dt_bias;    // [H, 128]
-  const void* h0;          // [N, H, 128, 128] fp32 or bf16 (kH0Bfloat16)
-  void* ht;                // [N, H, 128, 128] fp32 or bf16 (kHtBfloat16)
-  __nv_bfloat16* o;        // [T_total, H, 128]
-  unsigned char* workspace;       // [num_chunks, H, kWorkspaceBytes]
-  const int64_t* seq_offsets;     // [N + 1] token offsets
-  const int64_t* chunk_offsets;   // [N + 1] first global chunk of each sequence
-  const int64_t* chunk_seq;       // [num_chunks] sequence of each chunk
-  const int64_t* seq_order;       // [N * H] (sequence, head) pairs, longest sequence first
-  int64_t num_chunks;
-  int64_t num_seqs;
-  int64_t heads;
-  int64_t flags;
-  double scale;
-  double lower_bound;
-  double beta_scale;  // 1, or 2 with allow_neg_eigval
-};
-constexpr int kParamsFields = 22;
-static_assert(sizeof(Params) == 8 * kParamsFields, "Params must be 8-byte fields only (mirrored in loader.py)");
-
-// Workspace of one (chunk, head), written by prepare and read once by the recurrence,
-// which copies the whole block into shared memory with one bulk (TMA) copy. The [16, 128]
-// tiles are therefore stored already swizzled for its ldmatrix reads (tile_offset).
-struct WorkspaceLayout {
-  static constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one bf16 [16, 128] tile
-  static constexpr int kSquareBytes = kChunk * kChunk * 2;  // one bf16 [16, 16] matrix
-  static constexpr int q_decayed = 0;                       // scale * q * exp(G)
-  static constexpr int w = q_decayed + kTileBytes;          // (I + A)^-1 Diag(beta) K~
-  static constexpr int k_restored = w + kTileBytes;         // k * exp(G_16 - G)
-  static constexpr int inverse_beta_hi = k_restored + kTileBytes;  // (I + A)^-1 Diag(beta), bf16 part
-  static constexpr int inverse_beta_lo = inverse_beta_hi + kSquareBytes;  // and the bf16 remainder
-  static constexpr int M = inverse_beta_lo + kSquareBytes;  // causal q.k scores with decay
-  static constexpr int gamma = M + kSquareBytes;            // exp(G_16), float32 [128]
-  static constexpr int bytes = gamma + kHeadDim * 4;
-};
-constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;
+// Workspace of one (chunk, head) (kda_abi.h WorkspaceLayout), written by prepare and read once
+// by the recurrence, which copies the whole block into shared memory with one bulk (TMA) copy.
+// The [16, 128] tiles are therefore stored already swizzled for its ldmatrix reads (tile_offset).
 static_assert(kWorkspaceBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 // Byte offset of element (row, col) of a [16, 128] bf16 tile as stored: the 16-byte piece

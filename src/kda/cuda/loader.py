@@ -20,53 +20,28 @@ import threading
 from functools import cache
 from pathlib import Path
 
+from kda import abi
+
 ARTEFACTS = ("prepare.fatbin", "recurrence.fatbin")
-WORKSPACE_BYTES = 14336  # kda_cuda.cuh: WorkspaceLayout::bytes, per (chunk, head)
-# kda_cuda.cuh WorkspaceLayout: name -> (byte offset, dtype, shape) within one (chunk, head) block.
-WORKSPACE_FIELDS = {
-    "q_decayed": (0, "bfloat16", (16, 128)),
-    "w": (4096, "bfloat16", (16, 128)),
-    "k_restored": (8192, "bfloat16", (16, 128)),
-    "inverse_beta_hi": (12288, "bfloat16", (16, 16)),
-    "inverse_beta_lo": (12800, "bfloat16", (16, 16)),
-    "M": (13312, "bfloat16", (16, 16)),
-    "gamma": (13824, "float32", (128,)),
-}
-STAGES = 3  # recurrence.cu: kStages
-PREPARE_THREADS = 128  # prepare.cu: kThreads
-RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA: one entry point each
-HEAD_DIM = 128
-
-FLAGS = {  # kda_cuda.cuh: the Params::flags bits
-    "gate_lower_bound": 1 << 0,
-    "has_A_log": 1 << 1,
-    "has_dt_bias": 1 << 2,
-    "l2norm": 1 << 3,
-    "beta_sigmoid": 1 << 4,
-    "has_h0": 1 << 5,
-    "store_ht": 1 << 6,
-    "state_v_first": 1 << 7,
-    "g_float32": 1 << 8,
-    "beta_float32": 1 << 9,
-    "h0_bfloat16": 1 << 10,
-    "ht_bfloat16": 1 << 11,
-}
-
-
-POINTER_FIELDS = "q k v g beta A_log dt_bias h0 ht o workspace seq_offsets chunk_offsets chunk_seq seq_order"
+# What the kernels share with Python, from the one source the build also generates their
+# header from (src/kda/abi.py -> kda_abi.h): nothing below is a hand copy of the C++ side.
+WORKSPACE_BYTES = abi.WORKSPACE_BYTES  # per (chunk, head)
+WORKSPACE_FIELDS = abi.WORKSPACE_FIELDS  # name -> (byte offset, dtype, shape) within one block
+STAGES = abi.STAGES
+PREPARE_THREADS = abi.PREPARE_THREADS
+RECURRENCE_WIDTHS = abi.RECURRENCE_WIDTHS  # warps per recurrence CTA: one entry point each
+HEAD_DIM = abi.HEAD_DIM
+FLAGS = abi.FLAGS  # the Params::flags bits
+_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f64": ctypes.c_double}
 
 
 class Params(ctypes.Structure):
-    """Mirror of ``kda::Params`` (kda_cuda.cuh): 22 fields of 8 bytes, in order."""
+    """``kda::Params`` (abi.PARAMS): 8-byte fields, in order."""
 
-    _fields_ = [
-        *((name, ctypes.c_uint64) for name in POINTER_FIELDS.split()),
-        *((name, ctypes.c_int64) for name in ("num_chunks", "num_seqs", "heads", "flags")),
-        *((name, ctypes.c_double) for name in ("scale", "lower_bound", "beta_scale")),
-    ]
+    _fields_ = [(name, _CTYPES[kind]) for name, _, kind in abi.PARAMS]
 
 
-assert ctypes.sizeof(Params) == 8 * 22, "Params must match kda::Params (kParamsFields = 22)"
+assert ctypes.sizeof(Params) == 8 * len(abi.PARAMS)
 # Params as one struct.pack_into (the ctypes fields' own type codes, native layout): filling
 # the block per call then costs one C call instead of 22 ctypes attribute sets (0.45 us vs 1.3).
 PARAMS_LAYOUT = struct.Struct("@" + "".join(ctype._type_ for _, ctype in Params._fields_))
@@ -94,14 +69,10 @@ def driver_launch():
     return launch
 
 
-def stage_bytes(warps: int) -> int:
-    """Dynamic shared memory of the recurrence (recurrence.cu, Stage::kSharedBytes): kStages x
-    (workspace + 16 v rows of 32 * warps bytes padded by 16) + a 512-byte output tile per warp."""
-    return STAGES * (WORKSPACE_BYTES + 16 * (32 * warps + 16)) + 512 * warps
-
-
 # Per recurrence width: its entry point and dynamic shared memory, looked up once per call.
-RECURRENCE_KERNELS = {warps: (f"kda_recurrence_w{warps}", stage_bytes(warps)) for warps in RECURRENCE_WIDTHS}
+RECURRENCE_KERNELS = {
+    warps: (f"kda_recurrence_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in RECURRENCE_WIDTHS
+}
 
 
 def swizzle_tiles(tiles):

@@ -30,7 +30,7 @@
 namespace kda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = kPrepareThreads;  // one per K column (kda_abi.h)
 // Row stride (floats) of the float32 operand tiles: 132 = 4 mod 32, so the (row g, column t)
 // pattern of an MMA fragment load, g < 8, t < 4, hits 32 distinct banks.
 constexpr int kPad = kHeadDim + 4;

@@ -23,8 +23,6 @@
 namespace kda {
 namespace {
 
-constexpr int kStages = 3;  // four for four consumer warps measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568, run 6)
-
 // One pipeline stage: the chunk's workspace block as K1 stored it (tiles already swizzled),
 // then the CTA's [16, BV] slice of v, rows padded by 16 bytes so that the eight rows an
 // ldmatrix.trans reads fall in distinct bank groups.
@@ -35,11 +33,13 @@ struct Stage {
   static constexpr int kVRowStride = kVRowBytes + 16;
   static constexpr int kBytes = kWorkspaceBytes + kChunk * kVRowStride;
   static constexpr int kOutBytes = kChunk * 16 * 2;  // per warp: O^T staged as [16 tokens, 16 v] bf16
-  static constexpr int kSharedBytes = kStages * kBytes + WARPS * kOutBytes;  // mirrored in loader.py
+  static constexpr int kSharedBytes = kStages * kBytes + WARPS * kOutBytes;
 };
 
-static_assert(Stage<1>::kSharedBytes == 45824 && Stage<2>::kSharedBytes == 47872 && Stage<4>::kSharedBytes == 51968,
-              "shared memory per width: mirrored by loader.stage_bytes");
+// The loader launches each width with abi.recurrence_shared_bytes (kda_abi.h: the same numbers).
+static_assert(Stage<1>::kSharedBytes == recurrence_shared_bytes(1) && Stage<2>::kSharedBytes == recurrence_shared_bytes(2) &&
+                  Stage<4>::kSharedBytes == recurrence_shared_bytes(4),
+              "the recurrence's shared memory per width differs from src/kda/abi.py");
 
 // The producer warp fills a stage with bulk (TMA) copies that complete on the stage's
 // mbarrier: the workspace block in one copy, the v slice one row per lane, valid rows only

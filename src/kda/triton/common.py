@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kda import abi
 from kda.validation import SAFE_LOWER_BOUND_MIN
 
-CHUNK = 16
+CHUNK = abi.CHUNK  # tokens per chunk, the CUDA kernels' too
 DOT_MIN = 16  # tl.dot's smallest M, N and K: a block that feeds a dot is at least this wide
 # The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
 # sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each

@@ -29,14 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kda import abi
 from kda.reference import GATE_FLOOR as _GATE_FLOOR
 from kda.reference import HARD_RESET as _HARD_RESET
 from kda.triton.common import CHUNK, autotune_configs, safe_gate_path
 
 ROWS = tl.constexpr(CHUNK)
 LOG2E = tl.constexpr(1.4426950408889634)
-EXP2_LIMIT = tl.constexpr(116.0)  # 2^116 * |k| stays far below the float32 maximum 2^128
-L2NORM_EPS = tl.constexpr(1e-6)
+EXP2_LIMIT = tl.constexpr(abi.EXP2_LIMIT)  # 2^116 * |k| stays far below the float32 maximum 2^128
+L2NORM_EPS = tl.constexpr(abi.L2NORM_EPS)
 HARD_RESET = tl.constexpr(_HARD_RESET)  # a log-decay below it zeroes its channel (reference.HARD_RESET)
 GATE_FLOOR = tl.constexpr(_GATE_FLOOR)  # the softplus gate's floor (reference.GATE_FLOOR)
 

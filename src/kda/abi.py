@@ -1,0 +1,161 @@
+"""What Python and the CUDA kernels share, written once: the chunk and head sizes, the
+numeric limits, the ``Params`` block both kernels take and its flag bits, the per-(chunk,
+head) workspace layout, the launch constants and the recurrence's shared memory per width.
+
+The build turns this file into the header the kernels include (``kda_abi.h``, written by
+``python src/kda/abi.py <path>`` from CMakeLists.txt; kda_cuda.cuh includes it); the loader,
+validation and the Triton kernels import the same names. So nothing here has a hand copy
+to keep in step, and a change here reaches both sides on the next build. Pure Python, no
+imports beyond the standard library: it runs in the build's isolated environment.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+CHUNK = 16  # tokens per chunk
+HEAD_DIM = 128  # K = V on the CUDA path (others go to Triton)
+# Decays are applied as 2^x with x clamped here: 2^116 * |k| stays far below float32's 2^128.
+EXP2_LIMIT = 116.0
+L2NORM_EPS = 1e-6  # q / sqrt(sum q^2 + eps), k likewise
+# safe_gate's lower bound: from lb >= this, no 16-token row of the lower-bound gate decays past
+# 2^-EXP2_LIMIT (16 * 5 * log2(e) = 115.4 < 116), so the kernels skip the far-row path.
+SAFE_LOWER_BOUND_MIN = -5.0
+assert -SAFE_LOWER_BOUND_MIN * CHUNK * math.log2(math.e) < EXP2_LIMIT
+
+# Params::flags bits, in order (bit i is the i-th name). C names: kGateLowerBound, kHasALog, ...
+FLAG_NAMES = (
+    "gate_lower_bound",  # g holds raw gate activations: g = lb * sigmoid(exp(A_log) (g + dt_bias))
+    "has_A_log",
+    "has_dt_bias",
+    "l2norm",
+    "beta_sigmoid",
+    "has_h0",
+    "store_ht",
+    "state_v_first",  # states are [N, HV, V, K]; otherwise [N, HV, K, V]
+    "g_float32",  # g is float32 (else bfloat16)
+    "beta_float32",  # beta is float32 (else bfloat16)
+    "h0_bfloat16",  # the initial state is bfloat16 (else float32); carried in float32
+    "ht_bfloat16",  # the final state is stored in bfloat16 (else float32)
+)
+FLAGS = {name: 1 << bit for bit, name in enumerate(FLAG_NAMES)}
+
+# kda::Params, passed by value to both kernels: every field 8 bytes, so ctypes mirrors it
+# with no padding rules. (name, C type, Python kind: "ptr", "i64" or "f64").
+PARAMS = (
+    ("q", "const __nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("k", "const __nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("v", "const __nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("g", "const void*", "ptr"),  # [T_total, H, 128], bf16 or fp32 (g_float32)
+    ("beta", "const void*", "ptr"),  # [T_total, H], bf16 or fp32 (beta_float32)
+    ("A_log", "const float*", "ptr"),  # [H]
+    ("dt_bias", "const float*", "ptr"),  # [H, 128]
+    ("h0", "const void*", "ptr"),  # [N, H, 128, 128] fp32 or bf16 (h0_bfloat16)
+    ("ht", "void*", "ptr"),  # [N, H, 128, 128] fp32 or bf16 (ht_bfloat16)
+    ("o", "__nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("workspace", "unsigned char*", "ptr"),  # [num_chunks, H, WORKSPACE_BYTES]
+    ("seq_offsets", "const int64_t*", "ptr"),  # [N + 1] token offsets
+    ("chunk_offsets", "const int64_t*", "ptr"),  # [N + 1] first global chunk of each sequence
+    ("chunk_seq", "const int64_t*", "ptr"),  # [num_chunks] sequence of each chunk
+    ("seq_order", "const int64_t*", "ptr"),  # [N * H] (sequence, head) pairs, longest sequence first
+    ("num_chunks", "int64_t", "i64"),
+    ("num_seqs", "int64_t", "i64"),
+    ("heads", "int64_t", "i64"),
+    ("flags", "int64_t", "i64"),
+    ("scale", "double", "f64"),
+    ("lower_bound", "double", "f64"),
+    ("beta_scale", "double", "f64"),  # 1, or 2 with allow_neg_eigval
+)
+
+# The workspace of one (chunk, head), written by prepare and read once by the recurrence (one
+# bulk copy into shared memory): (name, dtype, shape), stored back to back in this order.
+# The [16, 128] tiles are stored swizzled for the recurrence's ldmatrix reads (tile_offset).
+WORKSPACE = (
+    ("q_decayed", "bfloat16", (CHUNK, HEAD_DIM)),  # scale * q * exp(G)
+    ("w", "bfloat16", (CHUNK, HEAD_DIM)),  # (I + A)^-1 Diag(beta) K~
+    ("k_restored", "bfloat16", (CHUNK, HEAD_DIM)),  # k * exp(G_16 - G)
+    ("inverse_beta_hi", "bfloat16", (CHUNK, CHUNK)),  # (I + A)^-1 Diag(beta), bf16 part
+    ("inverse_beta_lo", "bfloat16", (CHUNK, CHUNK)),  # and the bf16 remainder
+    ("M", "bfloat16", (CHUNK, CHUNK)),  # causal q.k scores with decay
+    ("gamma", "float32", (HEAD_DIM,)),  # exp(G_16)
+)
+ITEM_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def _layout() -> tuple[dict, int]:
+    fields, offset = {}, 0
+    for name, dtype, shape in WORKSPACE:
+        fields[name] = (offset, dtype, shape)
+        offset += ITEM_BYTES[dtype] * math.prod(shape)
+    return fields, offset
+
+
+WORKSPACE_FIELDS, WORKSPACE_BYTES = _layout()  # name -> (byte offset, dtype, shape); bytes per block
+assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
+
+PREPARE_THREADS = 128  # threads of a prepare CTA (one per K column)
+STAGES = 3  # recurrence pipeline stages; four measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568)
+RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): one entry point each
+
+
+def recurrence_shared_bytes(warps: int) -> int:
+    """Dynamic shared memory of a recurrence CTA: STAGES x (a workspace block + 16 v rows of
+    16 * warps bf16 columns, each row padded by 16 bytes) + a [16, 16] bf16 output tile per
+    warp. recurrence.cu checks its Stage layout against this at compile time."""
+    v_row_bytes = 16 * warps * 2 + 16
+    return STAGES * (WORKSPACE_BYTES + CHUNK * v_row_bytes) + warps * CHUNK * 16 * 2
+
+
+def c_flag_name(name: str) -> str:
+    """``has_A_log`` -> ``kHasALog``: each word's first letter raised, the rest kept."""
+    return "k" + "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def header() -> str:
+    """The C++ header of everything above (namespace kda)."""
+    lines = [
+        "// Generated at build time from src/kda/abi.py (python src/kda/abi.py <this file>): do not edit.",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "#include <cuda_bf16.h>",
+        "",
+        "namespace kda {",
+        "",
+        f"constexpr int kChunk = {CHUNK};",
+        f"constexpr int kHeadDim = {HEAD_DIM};",
+        f"constexpr float kExp2Limit = {EXP2_LIMIT!r}f;",
+        f"constexpr float kL2normEps = {L2NORM_EPS!r}f;",
+        f"constexpr int kPrepareThreads = {PREPARE_THREADS};",
+        f"constexpr int kStages = {STAGES};",
+        "",
+        "enum : int64_t {",
+        *(f"  {c_flag_name(name)} = int64_t(1) << {bit}," for bit, name in enumerate(FLAG_NAMES)),
+        "};",
+        "",
+        "struct Params {",
+        *(f"  {ctype} {name};" for name, ctype, _ in PARAMS),
+        "};",
+        f"constexpr int kParamsFields = {len(PARAMS)};",
+        'static_assert(sizeof(Params) == 8 * kParamsFields, "Params: 8-byte fields only (mirrored by ctypes)");',
+        "",
+        "struct WorkspaceLayout {",
+        *(f"  static constexpr int {name} = {offset};" for name, (offset, _, _) in WORKSPACE_FIELDS.items()),
+        f"  static constexpr int bytes = {WORKSPACE_BYTES};",
+        "};",
+        "constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;",
+        "",
+        "constexpr int recurrence_shared_bytes(int warps) {",
+        "  return " + " : ".join(f"warps == {w} ? {recurrence_shared_bytes(w)}" for w in RECURRENCE_WIDTHS) + " : -1;",
+        "}",
+        "",
+        "}  // namespace kda",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the build: python src/kda/abi.py <output header>
+    with open(sys.argv[1], "w") as out:
+        out.write(header())
