@@ -84,7 +84,7 @@ def main() -> None:
         "dispatch.select cuda": lambda: dispatch.select(p, "cuda"),
         "dispatch.select auto": lambda: dispatch.select(p, "auto"),
         "forward.chunk_forward": lambda: forward.chunk_forward(p),
-        "forward, outputs given": lambda: forward.chunk_forward(p, o, ht, workspace),
+        "forward, outputs given": lambda: forward.run_stages(p, o, ht, workspace),
         "empty_like(v)": lambda: torch.empty_like(v),
         "empty_like(h0)": lambda: torch.empty_like(h0),
         "q.new_empty(n, dtype=uint8)": lambda: q.new_empty(n, dtype=torch.uint8),

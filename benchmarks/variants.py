@@ -13,7 +13,7 @@ import kda
 from kda import bench
 from kda.api import checked_problem
 from kda.reference import relative_rms
-from kda.triton import chunk_forward
+from kda.triton import run_stages
 
 VARIANTS = {
     "bf16 ws, tf32 state dots": dict(workspace_dtype=torch.bfloat16, mixed=False),
@@ -21,6 +21,10 @@ VARIANTS = {
     "fp16 ws, tf32 state dots": dict(workspace_dtype=torch.float16, mixed=False),
     "fp32 ws, tf32 state dots": dict(workspace_dtype=torch.float32, mixed=False),
 }
+
+
+def outputs(p):
+    return torch.empty_like(p.v), torch.empty(p.state_shape, device=p.q.device)
 
 
 def main():
@@ -34,7 +38,8 @@ def main():
     o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
     acc = {}
     for name, var in VARIANTS.items():
-        o, h = chunk_forward(checked_problem(kda.chunk_kda, *tensors, **kw), **var)
+        p = checked_problem(kda.chunk_kda, *tensors, **kw)
+        o, h = run_stages(p, *outputs(p), **var)
         acc[name] = (relative_rms(o, o_ref), relative_rms(h, h_ref))
     for case in (bench.ANCHOR_CASES[0], bench.ANCHOR_CASES[4]):
         tensors, kw = bench.make_inputs(case)
@@ -45,7 +50,8 @@ def main():
         )
         for name, var in VARIANTS.items():
             p = checked_problem(kda.chunk_kda, *tensors, **kw)
-            ms = triton.testing.do_bench(lambda: chunk_forward(p, **var), warmup=25, rep=100, return_mode="median")
+            bufs = outputs(p)
+            ms = triton.testing.do_bench(lambda: run_stages(p, *bufs, **var), warmup=25, rep=100, return_mode="median")
             print(
                 f"| {name} | {case['name']} | {ms:.3f} | {ms / fla_ms:.3f} | {acc[name][0]:.2e} | {acc[name][1]:.2e} |",
                 flush=True,

@@ -378,7 +378,7 @@ def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
 @cuda_ready
 @pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
 def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dtype):
-    from kda.cuda.forward import chunk_forward
+    from kda.cuda.forward import run_stages, workspace_bytes
 
     case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)
     case.initial_state = case.initial_state.to(state_dtype)
@@ -389,7 +389,7 @@ def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dt
     o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
     state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
     ht = h_buf[guard:-guard].view(state_shape)
-    chunk_forward(p, out=o, final_state_out=ht)
+    run_stages(p, o, ht, torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
     assert not o.isnan().any() and not ht.isnan().any(), "some outputs were never written"
     for buf in (o_buf, h_buf):
@@ -496,13 +496,13 @@ def test_gpu_cuda_runs_from_a_fresh_thread(cuda_on):
 def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
     """K1 alone against the GPU-verified Triton prepare stage, field by field: when the
     end-to-end check fails, this says whether K1 or K2 is at fault."""
-    from kda.cuda.forward import chunk_forward, workspace_bytes
+    from kda.cuda.forward import run_stages, workspace_bytes
     from kda.triton.prepare import prepare_chunks
 
     case = cuda_case([37, 0, 16, 200], 2, False, "lower_bound", False, True, seed=10)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     ws = torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda")
-    chunk_forward(p, workspace=ws)
+    run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws)
     tables = chunk_tables(p)
     got = loader.workspace_views(ws, tables.num_chunks, p.H)
     want = prepare_chunks(p, tables, torch.float32, "ieee")
@@ -523,7 +523,7 @@ def test_gpu_cuda_prepare_matches_triton_prepare(cuda_on):
 def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on):
     """K2 alone: fed the Triton prepare's operands (in K1's layout), it must give the Triton
     recurrence's output, up to the bf16 hi/lo split of inverse_beta."""
-    from kda.cuda.forward import chunk_forward, workspace_bytes
+    from kda.cuda.forward import run_stages, workspace_bytes
     from kda.triton import chunk_forward as triton_forward
     from kda.triton.prepare import prepare_chunks
 
@@ -540,6 +540,6 @@ def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on):
         field = loader.swizzle_tiles(fields[name]) if shape == (16, 128) else fields[name]
         raw = field.contiguous().view(torch.uint8).view(tables.num_chunks, p.H, -1)
         blocks[:, :, offset : offset + raw.shape[-1]] = raw
-    o, ht = chunk_forward(p, workspace=ws, run_prepare=False)
+    o, ht = run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws, run_prepare=False)
     o_tr, ht_tr = triton_forward(p)
     assert rel(o, o_tr) <= 2e-3 and rel(ht, ht_tr) <= 2e-3, (rel(o, o_tr), rel(ht, ht_tr))

@@ -23,7 +23,7 @@ from helpers import (
 )
 from kda import dispatch
 from kda.api import checked_problem
-from kda.triton import chunk_forward
+from kda.triton import run_stages
 
 ON_GPU = DEVICE == "cuda"
 # The interpreter rounds float32 -> bf16/fp16 by truncation, about twice the error of the
@@ -81,7 +81,7 @@ def test_poisoned_outputs_fully_written_and_nothing_outside(layout):
     o_buf, o, og = guarded((1, p.T, p.HV, p.V), torch.bfloat16, DEVICE)
     state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
     h_buf, ht, hg = guarded(state_shape, torch.float32, DEVICE)
-    chunk_forward(p, out=o, final_state_out=ht)
+    run_stages(p, o, ht)
     assert not o.isnan().any(), "some output elements were never written"
     assert not ht.isnan().any(), "some final-state elements were never written"
     for buf, g in ((o_buf, og), (h_buf, hg)):

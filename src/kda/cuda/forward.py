@@ -126,51 +126,60 @@ def stream_capturing(device_index: int) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def chunk_forward(
-    p: Problem,
-    out: torch.Tensor | None = None,
-    final_state_out: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
-    run_prepare: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run K1 and K2 for a problem the backend accepted. ``out`` / ``final_state_out`` may
-    be given (tests poison them first); so may ``workspace`` (uint8, ``workspace_bytes(p)``),
-    which tests read through ``loader.workspace_views``, or fill and pass with
-    ``run_prepare=False`` to test K2 alone."""
-    kernels = loader.kernels()
+def chunk_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run K1 and K2 for a problem the backend accepted: ``(o, final state or None)``."""
+    kernels, device_index, stream, capturing = _launch_context(p)
     q = p.q
-    device_index = q.get_device()
+    o = torch.empty_like(p.v)
+    ht, h0, dtype = None, p.initial_state, p.final_state_dtype
+    if p.output_final_state and h0 is not None and h0.dtype == dtype:
+        # A given initial state has the final state's shape (and often its dtype), and is
+        # contiguous: empty_like then skips parsing a shape, dtype and device.
+        ht = torch.empty_like(h0)
+    elif p.output_final_state:
+        ht = q.new_empty(p.state_shape, dtype=dtype)
+    if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
+        return o, ht
+    tables = chunk_tables(p, capturing)
+    nbytes = workspace_bytes(p, tables)
+    if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
+        workspace = stream_workspace(q, stream, nbytes)
+    else:
+        workspace = q.new_empty(nbytes, dtype=torch.uint8)
+    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True)
+    return o, ht
+
+
+def run_stages(
+    p: Problem, o: torch.Tensor, ht: torch.Tensor | None, workspace: torch.Tensor, run_prepare: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K1 and K2 into given buffers (tests: poisoned outputs, a workspace read back through
+    ``loader.workspace_views``, or filled by hand with ``run_prepare=False`` to test K2
+    alone). Not on the call path: :func:`chunk_forward` allocates its own."""
+    kernels, device_index, stream, capturing = _launch_context(p)
+    if p.N * p.H:
+        _launch(p, o, ht, workspace, chunk_tables(p, capturing), kernels, device_index, stream, run_prepare)
+    return o, ht
+
+
+def _launch_context(p: Problem):
+    """(kernels, device index, stream handle, whether the stream is capturing) for ``p``."""
+    kernels = loader.kernels()
+    device_index = p.q.get_device()
     if device_index < 0:  # CPU tensors: the host-side tests, which stand in for the device
         device_index = torch.cuda.current_device()
     kernels.configure(device_index)
     stream = current_stream(device_index)
     # No capture happens on the legacy default stream (handle 0, torch's default, as the direct
     # launch reads it): CUDA refuses it, so the query (0.3 us) is needed only on other streams.
-    capturing = stream != 0 and q.is_cuda and stream_capturing(device_index)
-    o = torch.empty_like(p.v) if out is None else out
-    ht = None
-    if p.output_final_state:
-        ht = final_state_out
-        if ht is None:
-            h0, dtype = p.initial_state, p.final_state_dtype
-            # A given initial state has the final state's shape (and often its dtype), and is
-            # contiguous: empty_like then skips parsing a shape, dtype and device.
-            if h0 is not None and h0.dtype == dtype:
-                ht = torch.empty_like(h0)
-            else:
-                ht = q.new_empty(p.state_shape, dtype=dtype)
-    N, H = p.N, p.H
-    if N * H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
-        return o, ht
-    tables = chunk_tables(p, capturing)
-    num_chunks = tables.num_chunks
-    if workspace is None:
-        nbytes = workspace_bytes(p, tables)
-        if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
-            workspace = stream_workspace(q, stream, nbytes)
-        else:
-            workspace = q.new_empty(nbytes, dtype=torch.uint8)
+    capturing = stream != 0 and p.q.is_cuda and stream_capturing(device_index)
+    return kernels, device_index, stream, capturing
 
+
+def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare) -> None:
+    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2."""
+    q, N, H = p.q, p.N, p.H
+    num_chunks = tables.num_chunks
     A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
     bits = 0
     if p.gate_form == "lower_bound":
@@ -218,4 +227,3 @@ def chunk_forward(
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps]
         kernels.launch(name, grid, threads, shared_bytes, stream)
         note("cuda:recurrence")
-    return o, ht

@@ -44,26 +44,24 @@ def precision_for(dtype: torch.dtype) -> tuple[torch.dtype, str, bool]:
     return dtype, "tf32", True
 
 
-def chunk_forward(
+def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run both stages: ``(o, final state or None)``. ``checkpoints`` (the training
+    forward's, :func:`kda.triton.training.train_forward`) also receives the state checkpoints."""
+    o = torch.empty_like(p.v, dtype=p.q.dtype)
+    ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device) if p.output_final_state else None
+    return run_stages(p, o, ht, checkpoints=checkpoints)
+
+
+def run_stages(
     p: Problem,
-    out: torch.Tensor | None = None,
-    final_state_out: torch.Tensor | None = None,
+    o: torch.Tensor,
+    ht: torch.Tensor | None,
     workspace_dtype: torch.dtype | None = None,
     mixed: bool | None = None,
     checkpoints: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run both stages. ``out`` / ``final_state_out`` may be given (tests poison them first);
-    otherwise they are allocated. ``workspace_dtype`` and ``mixed`` override
-    :func:`precision_for` (benchmarks compare the variants). ``checkpoints`` (the training
-    forward's, :func:`kda.triton.training.train_forward`) also receives the state checkpoints."""
-    o = torch.empty_like(p.v, dtype=p.q.dtype) if out is None else out
-    ht = None
-    if p.output_final_state:
-        ht = (
-            torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
-            if final_state_out is None
-            else final_state_out
-        )
+    """Both stages into given outputs (tests poison them first). ``workspace_dtype`` and
+    ``mixed`` override :func:`precision_for` (benchmarks/variants.py compares them)."""
     default_dtype, dot_precision, default_mixed = precision_for(p.q.dtype)
     workspace_dtype = workspace_dtype or default_dtype
     mixed = default_mixed if mixed is None else mixed
