@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -41,6 +42,54 @@ def _worker(rank, world, store, backend, layout, with_h0, mismatch):
         dist.destroy_process_group()
 
 
+def _grad_worker(rank, world, store, backend, layout, with_h0):
+    """Each rank's loss: its outputs against fixed weights, and (last rank) the final state's.
+    Summed over ranks it is the unsharded call's loss, so every gradient must match: the local
+    slices of q, k, v, g, beta, the first rank's initial state, and A_log, dt_bias summed
+    over ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        case = make_case(B=2, T=world * T_LOCAL, H=1, HV=2, K=16, V=8, gate="softplus", state_v_first=layout,
+                         with_state=with_h0, seed=73)  # fmt: skip
+        gen = torch.Generator().manual_seed(74)
+        w_o = torch.randn(case.v.shape, generator=gen)
+        names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias") + (("initial_state",) if with_h0 else ())
+
+        def leaves(c, span=slice(None)):
+            out = {n: getattr(c, n).detach().clone() for n in names}
+            for n in ("q", "k", "v", "g", "beta"):
+                out[n] = out[n][:, span].contiguous()
+            return {n: x.requires_grad_() for n, x in out.items()}
+
+        def call(t, **over):
+            kw = case.kwargs(**{n: t[n] for n in ("A_log", "dt_bias")}, **over)
+            if with_h0:
+                kw["initial_state"] = t["initial_state"]
+            return kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], backend=backend, **kw)
+
+        full = leaves(case)
+        o_all, ht_all = call(full)
+        w_h = torch.randn(ht_all.shape, generator=gen)
+        ((o_all * w_o).sum() + (ht_all * w_h).sum()).backward()
+
+        span = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
+        mine = leaves(case, span)
+        o, ht = call(mine, cp_group=dist.group.WORLD)
+        loss = (o * w_o[:, span]).sum() + ((ht * w_h).sum() if rank == world - 1 else 0.0)
+        loss.backward()
+        for n in ("q", "k", "v", "g", "beta"):
+            assert rel(mine[n].grad, full[n].grad[:, span]) <= 1e-4, (rank, n, rel(mine[n].grad, full[n].grad[:, span]))
+        for n in ("A_log", "dt_bias"):
+            total = mine[n].grad.clone()
+            dist.all_reduce(total)
+            assert rel(total, full[n].grad) <= 1e-4, (rank, n, rel(total, full[n].grad))
+        if with_h0 and rank == 0:
+            assert rel(mine["initial_state"].grad, full["initial_state"].grad) <= 1e-4
+    finally:
+        dist.destroy_process_group()
+
+
 @functools.cache
 def interpreter_refusal() -> str:
     """What the Triton backend says of itself under TRITON_INTERPRET=1, asked in a fresh
@@ -65,6 +114,17 @@ def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mis
 )
 def test_sharded_call_equals_the_unsharded_one(tmp_path, monkeypatch, world, backend, layout, with_h0):
     spawn(tmp_path, monkeypatch, world, backend, layout, with_h0)
+
+
+@pytest.mark.parametrize(
+    "world, backend, layout, with_h0",
+    [(2, "torch", False, True), (4, "torch", True, True), (2, "triton", True, True), (3, "torch", False, False)],
+)
+def test_gradients_across_ranks_equal_the_unsharded_ones(tmp_path, monkeypatch, world, backend, layout, with_h0):
+    if backend == "triton" and (why := interpreter_refusal()):
+        pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mp.spawn(_grad_worker, args=(world, str(tmp_path / "store"), backend, layout, with_h0), nprocs=world)
 
 
 def test_ranks_with_different_slices_fail_on_every_rank(tmp_path, monkeypatch):

@@ -8,15 +8,28 @@ The state after a run of tokens is affine in the state before it, ``S_after = P 
 1. finds its own ``(P, R)`` with the chunk kernels themselves: R is the final state of its
    tokens run from a zero state, P the final states of its tokens with v = 0 run from the
    columns of the identity (``ceil(K / V)`` runs: each state holds V columns of P);
-2. all-gathers every rank's ``(P, R)`` in float32 (one collective: ``K x K + K x V`` per
-   sequence and value head) and the first rank's initial state (a broadcast);
+2. all-gathers every rank's ``(P, R)`` and the first rank's initial state in float32 (one
+   collective: ``K x K + 2 K x V`` per sequence and value head);
 3. folds the earlier ranks' transitions into its initial state and runs its tokens.
 
 Every rank returns its tokens' outputs and the final state of the whole sequence (folded from
 every rank's transition: the same on every rank). The initial state is the first rank's:
-pass it on every rank or on none (its value on other ranks is ignored). Not supported yet:
-``cu_seqlens`` (packed sequences across ranks), inputs that require grad (the reverse chain
-across ranks), fla's ``cp_context``. Collectives run on the group's own timeout.
+pass it on every rank or on none (its value on other ranks is ignored).
+
+Backward: with inputs that require grad the three steps run under autograd, the all-gather
+through ``torch.distributed.nn.functional`` (differentiable: its backward sums every rank's
+gradient of each transition, and of the initial state, back to the rank it came from). So a
+loss on rank r's outputs reaches the inputs of every rank before it through the chain of
+states (the reverse chain), and each rank's backward runs its chunk kernels' own backward.
+One collective carries the initial state too: with a separate differentiable broadcast the
+gradients of the earlier ranks' inputs came out 3% off on gloo (2026-12-01), most likely
+because each rank's autograd orders the two backward collectives by its own graph, so they
+can pair up with the wrong partners. The final state is every rank's: a loss that uses it
+on several ranks counts it once per rank. Every rank must run backward (the collectives of
+the backward pair up across ranks).
+
+Not supported yet: ``cu_seqlens`` (packed sequences across ranks), fla's ``cp_context``.
+Collectives run on the group's own timeout.
 """
 
 from __future__ import annotations
@@ -58,8 +71,6 @@ def _device(group, like: torch.Tensor) -> torch.device:
 def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module."""
     rank, world = _check(group, q, dict(kw, v=v))
-    if any(x.requires_grad for x in (q, k, v, g, beta)) and torch.is_grad_enabled():
-        raise ValueError("`cp_group`: no backward across ranks yet (call without grad)")
     B, _, _, K = q.shape
     v_first = bool(kw.get("state_v_first", False))
     h0 = kw.pop("initial_state", None)
@@ -69,23 +80,44 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     P, R = affine_transitions(chunk_kda, q, k, v, g, beta, kw, B)
     as_kv, from_kv = kv_layout(v_first)
 
-    # 2. every rank's transition, and the first rank's initial state
-    mine = torch.cat([P, R], dim=-1).to(device)  # [B, HV, K, K + V]
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    has_h0 = torch.tensor([h0 is not None], dtype=torch.int64, device=device)
-    dist.all_reduce(has_h0, group=group)
-    S = torch.zeros_like(R, device=device)
-    if int(has_h0.item()) not in (0, world):
+    # 2. every rank's transition and the first rank's initial state, in one all-gather
+    # (differentiable when autograd records: the gradients go back to the ranks they came
+    # from; one collective, so every rank's backward runs the same collectives in the same order)
+    training = torch.is_grad_enabled() and (
+        any(x.requires_grad for x in (P, R)) or (h0 is not None and h0.requires_grad)
+    )  # fmt: skip
+    counts = torch.tensor([h0 is not None, training], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    has_h0, trainers = (int(c) for c in counts.tolist())
+    if has_h0 not in (0, world):
         raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
-    if int(has_h0.item()):
-        if rank == 0:
-            S = as_kv(h0.float()).to(device).contiguous()
-        dist.broadcast(S, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if trainers not in (0, world):
+        raise ValueError("`cp_group`: inputs require grad on some ranks and not on others; the backward's "
+                         "collectives pair up across ranks, so every rank trains or none does")  # fmt: skip
+    start = torch.zeros(R.shape, dtype=torch.float32, device=R.device)
+    if has_h0 and rank == 0:
+        start = as_kv(h0.float()).to(R.device)
+    mine = torch.cat([P, R, start], dim=-1).to(device).contiguous()  # [B, HV, K, K + 2 V]
+    if trainers:
+        import warnings
+
+        from torch.distributed.nn import functional as dist_autograd
+
+        with warnings.catch_warnings():
+            # torch 2.13 marks it deprecated in favour of the private functional collectives
+            # (torch.distributed._functional_collectives, whose names changed between 2.11 and
+            # 2.13); this public one runs on gloo too (off NCCL its backward is an all-to-all).
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
+            every = dist_autograd.all_gather(mine, group=group)
+    else:
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+    V = R.shape[-1]
+    S = every[0][..., K + V :]
 
     # 3. the earlier ranks folded in, this rank's tokens run from the true state
     for r in range(rank):
-        S = every[r][..., :K] @ S + every[r][..., K:]
+        S = every[r][..., :K] @ S + every[r][..., K : K + V]
     start = from_kv(S.to(q.device))
     if h0 is not None:
         start = start.to(h0.dtype)
@@ -93,6 +125,6 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     if not want_final:
         return o, None
     for r in range(rank, world):
-        S = every[r][..., :K] @ S + every[r][..., K:]
+        S = every[r][..., :K] @ S + every[r][..., K : K + V]
     final_dtype = kw.get("final_state_dtype") or torch.float32
     return o, from_kv(S.to(q.device)).to(final_dtype)
