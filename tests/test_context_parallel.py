@@ -42,7 +42,7 @@ def _worker(rank, world, store, backend, layout, with_h0, mismatch):
         dist.destroy_process_group()
 
 
-def _grad_worker(rank, world, store, backend, layout, with_h0):
+def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
     """Each rank's loss: its outputs against fixed weights, and (last rank) the final state's.
     Summed over ranks it is the unsharded call's loss, so every gradient must match: the local
     slices of q, k, v, g, beta, the first rank's initial state, and A_log, dt_bias summed
@@ -60,7 +60,7 @@ def _grad_worker(rank, world, store, backend, layout, with_h0):
             out = {n: getattr(c, n).detach().clone() for n in names}
             for n in ("q", "k", "v", "g", "beta"):
                 out[n] = out[n][:, span].contiguous()
-            return {n: x.requires_grad_() for n, x in out.items()}
+            return {n: x.requires_grad_(not only_h0 or n == "initial_state") for n, x in out.items()}
 
         def call(t, **over):
             kw = case.kwargs(**{n: t[n] for n in ("A_log", "dt_bias")}, **over)
@@ -78,6 +78,10 @@ def _grad_worker(rank, world, store, backend, layout, with_h0):
         o, ht = call(mine, cp_group=dist.group.WORLD)
         loss = (o * w_o[:, span]).sum() + ((ht * w_h).sum() if rank == world - 1 else 0.0)
         loss.backward()
+        if only_h0:  # the other ranks' outputs depend on it through the gathered start
+            if rank == 0:
+                assert rel(mine["initial_state"].grad, full["initial_state"].grad) <= 1e-4
+            return
         for n in ("q", "k", "v", "g", "beta"):
             assert rel(mine[n].grad, full[n].grad[:, span]) <= 1e-4, (rank, n, rel(mine[n].grad, full[n].grad[:, span]))
         for n in ("A_log", "dt_bias"):
@@ -86,6 +90,66 @@ def _grad_worker(rank, world, store, backend, layout, with_h0):
             assert rel(total, full[n].grad) <= 1e-4, (rank, n, rel(total, full[n].grad))
         if with_h0 and rank == 0:
             assert rel(mine["initial_state"].grad, full["initial_state"].grad) <= 1e-4
+    finally:
+        dist.destroy_process_group()
+
+
+def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, train):
+    """Packed sequences ``lens`` cut into rank slices of ``slices`` tokens: outputs and final
+    states against the unsharded packed call, and with ``train`` every gradient too (each
+    rank's loss: its outputs, and the final states of the sequences ending on the last rank)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        case = make_case(seq_lens=lens, H=1, HV=2, K=16, V=8, gate="lower_bound", state_v_first=layout,
+                         with_state=with_h0, seed=75)  # fmt: skip
+        gen = torch.Generator().manual_seed(76)
+        w_o = torch.randn(case.v.shape, generator=gen)
+        names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias") + (("initial_state",) if with_h0 else ())
+        lo = sum(slices[:rank])
+        span = slice(lo, lo + slices[rank])
+
+        def leaves(sl=slice(None)):
+            out = {n: getattr(case, n).detach().clone() for n in names}
+            for n in ("q", "k", "v", "g", "beta"):
+                out[n] = out[n][:, sl].contiguous()
+            return {n: x.requires_grad_(train) for n, x in out.items()}
+
+        def call(t, **over):
+            kw = case.kwargs(**{n: t[n] for n in ("A_log", "dt_bias")}, **over)
+            kw["initial_state"] = t.get("initial_state")
+            return kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], backend=backend, **kw)
+
+        full = leaves()
+        o_all, ht_all = call(full)
+        mine = leaves(span)
+        o, ht = call(mine, cp_group=dist.group.WORLD)
+        assert rel(o, o_all[:, span]) <= 1e-5, (rank, rel(o, o_all[:, span]))
+        assert rel(ht, ht_all) <= 1e-5, (rank, rel(ht, ht_all))
+        if not train:
+            return
+        w_h = torch.randn(ht_all.shape, generator=gen)
+        ((o_all * w_o).sum() + (ht_all * w_h).sum()).backward()
+        # The final state of each sequence carries its gradient on the rank where it ends.
+        ends = torch.tensor(case.cu_seqlens[1:].tolist())
+        owner = torch.tensor([max(r for r in range(world) if sum(slices[:r]) < e or r == 0) if e > 0 else 0
+                              for e in ends.tolist()])  # fmt: skip
+        here = (owner == rank).view(-1, 1, 1, 1)
+        lens_t = torch.tensor(lens).view(-1, 1, 1, 1)
+        here = here & (lens_t > 0)
+        if rank == 0:  # empty sequences: their final state is the initial one; count it once
+            here = here | (lens_t == 0)
+        ((o * w_o[:, span]).sum() + (ht * w_h * here).sum()).backward()
+        for n in ("q", "k", "v", "g", "beta"):
+            got = mine[n].grad
+            if slices[rank] == 0:  # an empty slice: its (empty) inputs take no part
+                assert got is None or got.numel() == 0
+                continue
+            assert rel(got, full[n].grad[:, span]) <= 1e-4, (rank, n, rel(got, full[n].grad[:, span]))
+        for n in names[5:]:  # shared parameters: summed over ranks (an empty slice adds nothing)
+            total = torch.zeros_like(mine[n]) if mine[n].grad is None else mine[n].grad.clone()
+            dist.all_reduce(total)
+            assert rel(total, full[n].grad) <= 1e-4, (rank, n, rel(total, full[n].grad))
     finally:
         dist.destroy_process_group()
 
@@ -125,6 +189,39 @@ def test_gradients_across_ranks_equal_the_unsharded_ones(tmp_path, monkeypatch, 
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mp.spawn(_grad_worker, args=(world, str(tmp_path / "store"), backend, layout, with_h0), nprocs=world)
+
+
+PACKED = [
+    # (world, lens, slices): a sequence spanning every rank, and one starting mid-slice
+    (2, [50, 7, 0, 23], [35, 45]),
+    (4, [80], [20, 20, 20, 20]),
+    # an empty slice between two that share a sequence, and whole sequences only
+    (4, [12, 40, 28], [30, 0, 25, 25]),
+    (2, [10, 20, 30, 20], [30, 50]),
+]
+
+
+@pytest.mark.parametrize("world, lens, slices", PACKED)
+@pytest.mark.parametrize("train", [False, True])
+def test_packed_sequences_across_ranks(tmp_path, monkeypatch, world, lens, slices, train):
+    """cu_seqlens (the whole packed batch, the same on every rank) with slices of any length."""
+    layout, with_h0 = sum(lens) % 2 == 0, len(lens) != 2
+    mp.spawn(_packed_worker, args=(world, str(tmp_path / "store"), "torch", layout, with_h0, lens, slices, train),
+             nprocs=world)  # fmt: skip
+
+
+def test_packed_sequences_across_ranks_on_triton(tmp_path, monkeypatch):
+    if why := interpreter_refusal():
+        pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mp.spawn(_packed_worker, args=(2, str(tmp_path / "store"), "triton", True, True, [50, 7, 0, 23], [35, 45], True),
+             nprocs=2)  # fmt: skip
+
+
+def test_only_the_initial_state_trains_across_ranks(tmp_path):
+    """Every input frozen but the first rank's initial state: no rank may skip the backward's
+    collective (a hang), and its gradient is the unsharded call's."""
+    mp.spawn(_grad_worker, args=(2, str(tmp_path / "store"), "torch", False, True, True), nprocs=2)
 
 
 def test_ranks_with_different_slices_fail_on_every_rank(tmp_path, monkeypatch):

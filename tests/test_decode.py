@@ -149,3 +149,15 @@ def test_gpu_decode_replays_in_a_cuda_graph_with_new_inputs():
         graph.replay()
         want_o, want_ht = kda.fused_recurrent_kda(*fresh.tensors(), **{**kw, "initial_state": fresh.initial_state})
         assert torch.equal(o, want_o) and torch.equal(ht, want_ht)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_of_more_than_65535_sequence_heads():
+    """2048 sequences x 32 value heads: the grid is one dimension (a second one stops at
+    65535), every output checked against the float64 loop."""
+    case = make_case(B=2048, T=1, H=32, K=16, V=16, dtype=torch.bfloat16, device="cuda", seed=88)
+    o, ht, events = decode_call(case, backend="auto")
+    assert "triton:decode" in events, events
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, BAR[torch.bfloat16], "o")
+    assert_close_fp64(ht, ht_ref, BAR[torch.bfloat16], "final state")

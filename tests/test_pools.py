@@ -98,6 +98,22 @@ def test_two_d_indices_with_accepted_tokens(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_accepted_counts_outside_the_row_are_clamped_into_it(backend):
+    """num_accepted_tokens 0 reads column 0, and 9 (S = 3) the last column: never another
+    row of the indices (or memory before them)."""
+    case, pool = pool_case([1, 1], P=6, seed=68)
+    before = pool.clone()
+    idx = torch.tensor([[2, 5, 4], [1, 0, 3]], device=DEVICE)
+    accepted = torch.tensor([0, 9], device=DEVICE)
+    o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                   ssm_state_indices=idx, num_accepted_tokens=accepted, backend=backend,
+                                   **decode_kwargs(case))  # fmt: skip
+    o_ref, ht_ref = plain_decode(case, start_states(before, [2, 3]))
+    assert rel(o, o_ref) <= BAR
+    assert rel(pool[2], ht_ref[0]) <= BAR and rel(pool[1], ht_ref[1]) <= BAR
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_then_decode_through_the_pool_equals_one_prefill(backend):
     """chunk_kda's final state, put in slot 3, then two decode steps through the pool: the same
     outputs and final state as one prefill of every token."""

@@ -137,6 +137,7 @@ def fused_recurrent_kda(
     *,
     backend: str = "auto",
     final_state_dtype: torch.dtype | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     inplace_final_state: bool = False,
     ssm_state_indices: torch.Tensor | None = None,
     num_accepted_tokens: torch.Tensor | None = None,
@@ -158,20 +159,22 @@ def fused_recurrent_kda(
     state after its t-th token is written to ``pool[idx[n, t]]``. Without indices sequence n
     is slot n. An index outside ``[0, P)`` (negative: padding) is no slot: the sequence
     starts from zeros and nothing is written. Slots not named are never touched. The index
-    values are read on the device only (no host synchronisation); Triton runs pools in one
-    launch (``kda.triton.decode``), torch in its token loop.
+    values are read on the device only; Triton runs pools in one launch
+    (``kda.triton.decode``), torch in its token loop. Varlen: pass ``cu_seqlens_cpu`` (kda
+    only, as in :func:`chunk_kda`) as well, or ``cu_seqlens`` is copied to the host once per
+    call (a sync, and no CUDA-graph capture).
     """
     if inplace_final_state or ssm_state_indices is not None or num_accepted_tokens is not None:
         problem = pooled_problem(
             q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, final_state_dtype,
-            inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs,
+            inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs, cu_seqlens_cpu,
         )  # fmt: skip
         return dispatch.select(problem, backend).run(problem)
     problem = validation.check_problem(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
-        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
     return dispatch.select(problem, backend).run(problem)
 
@@ -179,7 +182,7 @@ def fused_recurrent_kda(
 def pooled_problem(
     q, k, v, g, beta, A_log, dt_bias, scale, pool, use_qk_l2norm_in_kernel, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, final_state_dtype,
-    inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs,
+    inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs, cu_seqlens_cpu=None,
 ) -> validation.Problem:  # fmt: skip
     """The checked call of a fused_recurrent_kda through a state pool (``pool``: its
     ``initial_state``); raises as that call would."""
@@ -191,7 +194,7 @@ def pooled_problem(
     problem = validation.check_problem(
         "fused_recurrent_kda", q, k, v, g, beta, scale, None, False,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
-        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, None, final_state_dtype, kwargs,
+        lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
     problem.requires_grad = problem.requires_grad or pool.requires_grad
     return validation.check_pool(problem, pool, ssm_state_indices, num_accepted_tokens)

@@ -49,18 +49,35 @@ def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
         raise ValueError(f"`cp_group` is not a usable process group: {err}") from None
     if rank < 0:
         raise ValueError("`cp_group`: this process is not a member of the group")
-    if kw.get("cu_seqlens") is not None:
-        raise ValueError("`cp_group` with `cu_seqlens` (packed sequences across ranks) is not supported yet")
     if kw.get("cp_context") is not None:
         raise ValueError("`cp_group` and fla's `cp_context` are exclusive (kda takes `cp_group`)")
-    # every rank must hold the same shapes: one small all-gather, so a mismatch fails on every rank
-    shape = torch.tensor([*q.shape, *kw["v"].shape[2:]], dtype=torch.int64, device=_device(group, q))
+    # Every rank must hold the same shapes (packed: any T_local, the same cu_seqlens): one small
+    # all-gather, so a mismatch fails on every rank. Returns every rank's T_local too.
+    cu = _host_offsets(kw)
+    B, T, H, K = q.shape
+    fingerprint = [] if cu is None else [len(cu), cu[-1], sum(i * x for i, x in enumerate(cu))]
+    shape = torch.tensor([B, H, K, *kw["v"].shape[2:], len(fingerprint), *fingerprint, T], dtype=torch.int64,
+                         device=_device(group, q))  # fmt: skip
     shapes = [torch.empty_like(shape) for _ in range(world)]
     dist.all_gather(shapes, shape, group=group)
-    if any(not torch.equal(s, shapes[0]) for s in shapes):
-        raise ValueError("`cp_group`: the ranks' slices differ in shape (B, T_local, H, K, HV, V): "
-                         f"{[s.tolist() for s in shapes]}")  # fmt: skip
-    return rank, world
+    fixed = slice(None, -1) if cu is not None else slice(None)  # packed slices may differ in length
+    if any(not torch.equal(s[fixed], shapes[0][fixed]) for s in shapes):
+        what = "(B, H, K, HV, V, cu_seqlens)" if cu is not None else "(B, H, K, HV, V, T_local)"
+        raise ValueError(f"`cp_group`: the ranks' slices differ in shape {what}: {[s.tolist() for s in shapes]}")
+    lengths = [int(s[-1]) for s in shapes]
+    if cu is not None and sum(lengths) != cu[-1]:
+        raise ValueError(f"`cp_group`: the ranks hold {sum(lengths)} tokens in all ({lengths}), but `cu_seqlens` "
+                         f"describes {cu[-1]}")  # fmt: skip
+    return rank, world, lengths
+
+
+def _host_offsets(kw: dict) -> list[int] | None:
+    """The packed batch's offsets (``cu_seqlens``) as Python ints, or None when batched."""
+    cu = kw.get("cu_seqlens")
+    if cu is None:
+        return None
+    host = kw.get("cu_seqlens_cpu")
+    return (host if host is not None else cu).tolist()
 
 
 def _device(group, like: torch.Tensor) -> torch.device:
@@ -70,12 +87,14 @@ def _device(group, like: torch.Tensor) -> torch.device:
 
 def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module."""
-    rank, world = _check(group, q, dict(kw, v=v))
+    rank, world, lengths = _check(group, q, dict(kw, v=v))
     B, _, _, K = q.shape
     v_first = bool(kw.get("state_v_first", False))
     h0 = kw.pop("initial_state", None)
     want_final = bool(kw.pop("output_final_state", False))
     device = _device(group, q)
+    if kw.get("cu_seqlens") is not None:
+        return _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_final, kw)
     # 1. this rank's transition, float32, KV layout
     P, R = affine_transitions(chunk_kda, q, k, v, g, beta, kw, B)
     as_kv, from_kv = kv_layout(v_first)
@@ -98,6 +117,10 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     if has_h0 and rank == 0:
         start = as_kv(h0.float()).to(R.device)
     mine = torch.cat([P, R, start], dim=-1).to(device).contiguous()  # [B, HV, K, K + 2 V]
+    if trainers and not mine.requires_grad:
+        # Only the first rank's initial state trains: the others' gathered tensor must still
+        # be recorded, or their backward would skip the collective the first rank waits in.
+        mine.requires_grad_()
     if trainers:
         import warnings
 
@@ -128,3 +151,133 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
         S = every[r][..., :K] @ S + every[r][..., K : K + V]
     final_dtype = kw.get("final_state_dtype") or torch.float32
     return o, from_kv(S.to(q.device)).to(final_dtype)
+
+
+def _pieces(cu: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The pieces ``(sequence n, first token, end token)`` (global positions) that the tokens
+    ``[lo, hi)`` hold of the packed sequences ``cu``, in order; they tile ``[lo, hi)``."""
+    out = []
+    for n in range(len(cu) - 1):
+        a, b = max(cu[n], lo), min(cu[n + 1], hi)
+        if a < b:
+            out.append((n, a, b))
+    return out
+
+
+def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_final, kw):
+    """Packed sequences across ranks: ``cu_seqlens`` (the same on every rank) describes the
+    whole packed batch, and rank r holds its tokens ``[sum(T_0..T_r-1), + T_r)``, any T_r
+    (zero too). Only a rank's last piece can continue on the next rank: it sends that
+    piece's transition (zeros when its sequence ends here), one all-gather; each rank folds
+    the earlier ranks' transitions of its first piece's sequence into that sequence's initial
+    state, runs its pieces as one packed call, and the final states are summed across ranks
+    from the ranks where each sequence ends."""
+    cu = _host_offsets(kw)
+    N, HV, V = len(cu) - 1, v.shape[2], v.shape[3]
+    K = q.shape[-1]
+    starts = [sum(lengths[:r]) for r in range(world + 1)]
+    every_pieces = [_pieces(cu, starts[r], starts[r + 1]) for r in range(world)]
+    mine = every_pieces[rank]
+    lo = starts[rank]
+    as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
+    device = _device(group, q)
+    local_kw = {n: x for n, x in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
+
+    def continues(r):  # rank r's last piece goes on past its slice
+        pieces = every_pieces[r]
+        return bool(pieces) and pieces[-1][2] < cu[pieces[-1][0] + 1]
+
+    # 1. the transition of this rank's last piece, if its sequence continues on the next rank
+    P = torch.zeros(1, HV, K, K, dtype=torch.float32, device=q.device)
+    R = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
+    if continues(rank):
+        _, a, b = mine[-1]
+        span = slice(a - lo, b - lo)
+        piece = [x[:, span] for x in (q, k, v, g, beta)]
+        P, R = affine_transitions(chunk_kda, *piece, local_kw, 1)
+
+    # 2. every rank's, in one all-gather (differentiable when training, as the batched path)
+    training = torch.is_grad_enabled() and (
+        any(x.requires_grad for x in (q, k, v, g, beta)) or (h0 is not None and h0.requires_grad)
+        or any(kw.get(n) is not None and kw[n].requires_grad for n in ("A_log", "dt_bias"))
+    )  # fmt: skip
+    counts = torch.tensor([h0 is not None, training], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    has_h0, trainers = (int(c) for c in counts.tolist())
+    if has_h0 not in (0, world):
+        raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
+    if trainers not in (0, world):
+        raise ValueError("`cp_group`: inputs require grad on some ranks and not on others; the backward's "
+                         "collectives pair up across ranks, so every rank trains or none does")  # fmt: skip
+    sent = torch.cat([P, R], dim=-1).to(device).contiguous()  # [1, HV, K, K + V]
+    if trainers:
+        import warnings
+
+        from torch.distributed.nn import functional as dist_autograd
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
+            every = dist_autograd.all_gather(sent if sent.requires_grad else sent.requires_grad_(), group=group)
+    else:
+        every = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(every, sent, group=group)
+    every = [e.to(q.device) for e in every]
+
+    # 3. each piece's true start: its sequence's initial state, with the earlier ranks'
+    # transitions folded in for a first piece that continues a sequence begun on another rank
+    def initial(n):
+        if h0 is None:
+            return torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
+        return as_kv(h0[n].float())
+
+    begun = [initial(n) for n, _, _ in mine]
+    if mine and mine[0][1] > cu[mine[0][0]]:
+        n = mine[0][0]
+        first_rank = next(r for r in range(rank) if every_pieces[r] and every_pieces[r][-1][0] == n)
+        S = initial(n)
+        for r in range(first_rank, rank):
+            if every_pieces[r]:  # an empty slice in between carries nothing (its transition is zeros)
+                S = every[r][0, ..., :K] @ S + every[r][0, ..., K:]
+        begun[0] = S
+    if trainers:
+        # Every rank's outputs depend on the gathered tensor (times zero where unused), so every
+        # rank's backward runs the all-gather's backward collective once, as the others' do.
+        anchor = sum(e.sum() for e in every) * 0.0
+    local_cu_host = torch.tensor([0, *[b - lo for _, _, b in mine]], dtype=torch.int64)
+    if mine:
+        start = from_kv(torch.stack(begun))
+        if h0 is not None:
+            start = start.to(h0.dtype)
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=want_final,
+                          cu_seqlens=local_cu_host.to(q.device), cu_seqlens_cpu=local_cu_host, **local_kw)  # fmt: skip
+    else:  # an empty slice
+        o, ht = torch.empty_like(v, dtype=q.dtype), None
+    if trainers:
+        o = o + anchor.to(o.dtype)
+    if not want_final:
+        return o, None
+
+    # 4. final states: each sequence's from the rank where it ends (a sum over ranks of
+    # disjoint rows; an empty sequence's is its initial state, on every rank)
+    final_dtype = kw.get("final_state_dtype") or torch.float32
+    owned = [i for i, (n, _, b) in enumerate(mine) if b == cu[n + 1]]
+    rows = [mine[i][0] for i in owned]
+    finals = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
+    if rows:
+        finals[rows] = as_kv(ht[owned].float()).detach().to(device)
+    dist.all_reduce(finals, group=group)
+    finals = finals.to(q.device)
+    empty = [n for n in range(N) if cu[n] == cu[n + 1]]
+    if empty:
+        finals[empty] = torch.stack([initial(n) for n in empty]).detach()
+    out = from_kv(finals).to(final_dtype)
+    if rows and trainers:  # this rank's own rows keep their gradient (the exchange is not differentiable)
+        mask = torch.zeros(N, dtype=torch.bool, device=q.device)
+        mask[rows] = True
+        mine_rows = torch.zeros_like(out).index_copy(0, torch.tensor(rows, device=q.device), ht[owned].to(final_dtype))
+        out = torch.where(mask.view(N, 1, 1, 1), mine_rows, out)
+    if empty and trainers and h0 is not None and h0.requires_grad:
+        keep = torch.zeros(N, dtype=torch.bool, device=q.device)
+        keep[empty] = True
+        out = torch.where(keep.view(N, 1, 1, 1), h0.to(final_dtype), out)
+    return o, out

@@ -185,9 +185,9 @@ def pooled_recurrent_kda(
 
     ``indices`` None: sequence n starts from and ends in slot n. 1-D ``[N]``: from and to
     ``pool[indices[n]]``. 2-D ``[N, S]``: from ``pool[indices[n, accepted[n] - 1]]``
-    (``indices[n, 0]`` without ``accepted``), and the state after its t-th token goes to
-    ``pool[indices[n, t]]``. An index outside ``[0, P)`` is no slot: the sequence starts from
-    zeros, nothing is written. Returns o; the pool is updated in place."""
+    (``indices[n, 0]`` without ``accepted``; accepted clamped into ``[1, S]``), and the
+    state after its t-th token goes to ``pool[indices[n, t]]``. An index outside ``[0, P)``
+    is no slot: the sequence starts from zeros, nothing is written. Returns o; the pool is updated in place."""
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     P, dtype = pool.shape[0], q.dtype
@@ -205,7 +205,8 @@ def pooled_recurrent_kda(
         if idx is None:
             first = slot(n)
         elif isinstance(idx[n], list):
-            first = slot(idx[n][nat[n] - 1 if nat is not None else 0])
+            # accepted outside [1, S] is clamped into the row (as the kernels do)
+            first = slot(idx[n][min(max(nat[n] - 1, 0), len(idx[n]) - 1) if nat is not None else 0])
         else:
             first = slot(idx[n])
         S = torch.zeros(HV, K, V, dtype=dtype, device=q.device) if first is None else pool[first].to(dtype).clone()

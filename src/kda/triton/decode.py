@@ -11,8 +11,9 @@ Slots: ``INDICES`` 0 (none: sequence n is slot n; a plain call's states are a po
 slots), 1 (``indices [N]``: read and write ``indices[n]``) or 2 (``indices [N, S]``: read
 ``indices[n, accepted[n] - 1]`` (column 0 without ``accepted``), write the state after token t
 to ``indices[n, t]``). An index outside ``[0, P)`` is no slot: nothing read (zeros), nothing
-written, so no index can reach memory outside the pool. Indices and ``cu_seqlens`` are read
-on the device: no host synchronisation."""
+written, so no index can reach memory outside the pool. The kernel reads indices and
+``cu_seqlens`` on the device (the call's validation still copies ``cu_seqlens`` to the host
+once unless ``cu_seqlens_cpu`` is given)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def decode_kernel(
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
 ):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
+    # One grid dimension (V slices fastest): a second one would stop at 65535 sequence-heads.
+    pid = tl.program_id(0).to(tl.int64)
+    slices_v = tl.cdiv(V, BV)
+    i_v, i_nh = pid % slices_v, pid // slices_v
     n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if VARLEN:
@@ -75,8 +78,8 @@ def decode_kernel(
         first = tl.load(indices + n).to(tl.int64)
     else:
         col = 0
-        if HAS_ACCEPTED:
-            col = tl.load(accepted + n).to(tl.int64) - 1
+        if HAS_ACCEPTED:  # clamped into the row: accepted outside [1, S] reads no other row
+            col = tl.minimum(tl.maximum(tl.load(accepted + n).to(tl.int64) - 1, 0), S_COLS - 1)
         first = tl.load(indices + n * S_COLS + col).to(tl.int64)
     first_mask = _in_pool(first, tile, state_mask, P)
     St = tl.zeros([BV, BK], dtype=tl.float32)
@@ -149,7 +152,7 @@ def decode(p, block_v: int | None = None, num_warps: int | None = None) -> tuple
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     BV, warps = decode_launch(p)
     BV, warps = block_v or BV, num_warps or warps
-    decode_kernel[(triton.cdiv(p.V, BV), p.N * p.HV)](
+    decode_kernel[(triton.cdiv(p.V, BV) * p.N * p.HV,)](
         p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, h0, ht, idx, p.accepted, p.cu_seqlens,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
         p.N if p.pool is None else p.pool.shape[0], p.T, p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
