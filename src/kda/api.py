@@ -76,9 +76,10 @@ def chunk_kda(
             writes nothing. Returns ``(o, pool)``; no backward.
         cp_group: kda only, context parallelism (``kda.context_parallel``): a
             torch.distributed group whose every rank passes its contiguous slice of the
-            tokens of the same B sequences (the same T_local on each); the first rank's
-            initial state starts them; every rank gets its tokens' outputs and the whole
-            sequences' final state. Batched inputs, forward only.
+            tokens of the same B sequences (the same T_local on each), or, with
+            ``cu_seqlens`` describing the whole packed batch (the same on every rank), its
+            slice of the packed tokens (any length, in rank order); every rank gets its
+            tokens' outputs and every sequence's final state. Differentiable across ranks.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in q's dtype; final_state in

@@ -28,7 +28,12 @@ can pair up with the wrong partners. The final state is every rank's: a loss tha
 on several ranks counts it once per rank. Every rank must run backward (the collectives of
 the backward pair up across ranks).
 
-Not supported yet: ``cu_seqlens`` (packed sequences across ranks), fla's ``cp_context``.
+Packed sequences (``cu_seqlens``): see :func:`_packed`. There the initial state is read on
+every rank (pass the same one everywhere): row n on the rank where sequence n begins, which
+also gets its gradient; a final state carries its gradient from the rank where its sequence
+ends (the other ranks receive it through a sum that autograd does not record).
+
+Not supported: fla's ``cp_context`` (its own layout description; kda takes ``cp_group``).
 Collectives run on the group's own timeout.
 """
 
