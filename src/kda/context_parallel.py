@@ -29,8 +29,8 @@ on several ranks counts it once per rank. Every rank must run backward (the coll
 the backward pair up across ranks).
 
 Packed sequences (``cu_seqlens``): see :func:`_packed`. There the initial state is read on
-every rank (pass the same one everywhere): row n on the rank where sequence n begins, which
-also gets its gradient; a final state carries its gradient from the rank where its sequence
+every rank (pass the same one everywhere): row n on each rank holding a piece of sequence n,
+so its gradient is the sum of those ranks' (all-reduce it, as for A_log); a final state carries its gradient from the rank where its sequence
 ends (the other ranks receive it through a sum that autograd does not record).
 
 Not supported: fla's ``cp_context`` (its own layout description; kda takes ``cp_group``).
