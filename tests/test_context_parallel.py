@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -154,6 +155,26 @@ def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, t
         dist.destroy_process_group()
 
 
+def _fla_context_worker(rank, world, store, lens):
+    """fla's own contiguous cp_context (fla.ops.cp.build_cp_context) instead of cp_group."""
+    from fla.ops.cp import build_cp_context
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        case = make_case(seq_lens=lens, H=1, HV=2, K=16, V=8, gate="lower_bound", seed=77)
+        o_all, ht_all = kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
+        ctx = build_cp_context(case.cu_seqlens, group=dist.group.WORLD)
+        part = sum(lens) // world
+        span = slice(rank * part, (rank + 1) * part)
+        local = [x[:, span].contiguous() for x in case.tensors()]
+        o, ht = kda.chunk_kda(*local, backend="torch", cp_context=ctx, **case.kwargs(cu_seqlens=None))
+        assert rel(o, o_all[:, span]) <= 1e-5, (rank, rel(o, o_all[:, span]))
+        assert rel(ht, ht_all) <= 1e-5, (rank, rel(ht, ht_all))
+    finally:
+        dist.destroy_process_group()
+
+
 @functools.cache
 def interpreter_refusal() -> str:
     """What the Triton backend says of itself under TRITON_INTERPRET=1, asked in a fresh
@@ -222,6 +243,14 @@ def test_only_the_initial_state_trains_across_ranks(tmp_path):
     """Every input frozen but the first rank's initial state: no rank may skip the backward's
     collective (a hang), and its gradient is the unsharded call's."""
     mp.spawn(_grad_worker, args=(2, str(tmp_path / "store"), "torch", False, True, True), nprocs=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
+@pytest.mark.parametrize("world, lens", [(2, [50, 7, 23]), (4, [90, 6, 24])])
+def test_fla_cp_context_equals_the_unsharded_call(tmp_path, world, lens):
+    """fla's contiguous cp_context: its local offsets and first/last-rank flags, turned into the
+    whole batch's offsets (kda.context_parallel.from_fla_cp_context); a sequence spanning ranks."""
+    mp.spawn(_fla_context_worker, args=(world, str(tmp_path / "store"), lens), nprocs=world)
 
 
 def test_ranks_with_different_slices_fail_on_every_rank(tmp_path, monkeypatch):

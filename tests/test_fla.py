@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def test_fla_training_call_reaches_kda(fla_kda):
 @pytest.mark.parametrize(
     "over, reason",
     [
-        ({"cp_context": object()}, "cp_context (context parallelism) is not supported by kda"),
+        ({"cp_context": SimpleNamespace(layout="zigzag", cu_seqlens=None)}, "cp_context with layout='zigzag'"),
         ({"return_intermediate_states": True}, "kda cannot take the call: `return_intermediate_states"),
     ],
 )

@@ -86,12 +86,16 @@ def chunk_kda(
         ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
         of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
-    if cp_group is not None:
-        from kda.context_parallel import chunk_kda_context_parallel
+    if cp_group is not None or kwargs.get("cp_context") is not None:
+        from kda.context_parallel import chunk_kda_context_parallel, from_fla_cp_context
 
         kw = _call_kwargs(locals(), kwargs)
         if initial_state_indices is not None:
-            raise ValueError("`cp_group` and `initial_state_indices` cannot be combined")
+            raise ValueError("context parallelism and `initial_state_indices` cannot be combined")
+        if kw.get("cp_context") is not None:  # fla's description: kda's cp_group and global cu_seqlens
+            if cp_group is not None:
+                raise ValueError("`cp_group` and fla's `cp_context` are exclusive: pass one")
+            cp_group = from_fla_cp_context(kw)
         return chunk_kda_context_parallel(chunk_kda, cp_group, q, k, v, g, beta, kw)
     if initial_state_indices is not None:
         return _prefill_into_pool(

@@ -30,11 +30,16 @@ the backward pair up across ranks).
 
 Packed sequences (``cu_seqlens``): see :func:`_packed`. There the initial state is read on
 every rank (pass the same one everywhere): row n on each rank holding a piece of sequence n,
-so its gradient is the sum of those ranks' (all-reduce it, as for A_log); a final state carries its gradient from the rank where its sequence
-ends (the other ranks receive it through a sum that autograd does not record).
+so its gradient is the sum of those ranks' (all-reduce it, as for A_log); a final state
+carries its gradient from the rank where its sequence ends (the other ranks receive it
+through a sum that autograd does not record).
 
-Not supported: fla's ``cp_context`` (its own layout description; kda takes ``cp_group``).
-Collectives run on the group's own timeout.
+fla's ``cp_context`` (``fla.ops.cp.build_cp_context``, contiguous layout) is taken too:
+:func:`from_fla_cp_context` turns its local offsets and first/last-rank flags into the
+whole batch's ``cu_seqlens`` (one small all-gather) and runs the packed path; unlike fla,
+``initial_state`` and ``output_final_state`` work with it (fla's local offsets drop
+sequences of no tokens, so N counts only the others). Its zigzag layout (two intervals per
+rank) is refused. Collectives run on the group's own timeout.
 """
 
 from __future__ import annotations
@@ -54,8 +59,6 @@ def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
         raise ValueError(f"`cp_group` is not a usable process group: {err}") from None
     if rank < 0:
         raise ValueError("`cp_group`: this process is not a member of the group")
-    if kw.get("cp_context") is not None:
-        raise ValueError("`cp_group` and fla's `cp_context` are exclusive (kda takes `cp_group`)")
     # Every rank must hold the same shapes (packed: any T_local, the same cu_seqlens): one small
     # all-gather, so a mismatch fails on every rank. Returns every rank's T_local too.
     cu = _host_offsets(kw)
@@ -286,3 +289,36 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
         keep[empty] = True
         out = torch.where(keep.view(N, 1, 1, 1), h0.to(final_dtype), out)
     return o, out
+
+
+def from_fla_cp_context(kw: dict):
+    """fla's contiguous ``cp_context`` in ``kw`` (popped) as kda's description: returns its
+    process group and puts the whole batch's ``cu_seqlens`` (and its host copy) into ``kw``.
+    fla gives each rank its local offsets and whether its first piece begins a sequence
+    (``is_first_rank``) and its last piece ends one (``is_last_rank``); the ranks' local
+    lengths, all-gathered, rebuild the global offsets."""
+    ctx = kw.pop("cp_context")
+    if getattr(ctx, "layout", "contiguous") != "contiguous":
+        raise ValueError(f"fla's `cp_context` with layout={ctx.layout!r}: kda takes the contiguous layout "
+                         "(one interval of the packed tokens per rank)")  # fmt: skip
+    if ctx.group is None or ctx.cu_seqlens is None:
+        raise ValueError("fla's `cp_context` needs its `group` and `cu_seqlens` (build it with build_cp_context)")
+    local = (ctx.cu_seqlens_cpu if ctx.cu_seqlens_cpu is not None else ctx.cu_seqlens).tolist()
+    lengths = [b - a for a, b in zip(local, local[1:])]
+    gathered = [None] * dist.get_world_size(ctx.group)
+    dist.all_gather_object(gathered, (lengths, bool(ctx.is_first_rank), bool(ctx.is_last_rank)), group=ctx.group)
+    sequences: list[int] = []
+    continuing = False  # the previous rank's last piece goes on
+    for pieces, first_begins, last_ends in gathered:
+        for i, n in enumerate(pieces):
+            if i == 0 and continuing and not first_begins:
+                sequences[-1] += n
+            else:
+                sequences.append(n)
+        continuing = bool(pieces) and not last_ends
+    offsets = [0]
+    for n in sequences:
+        offsets.append(offsets[-1] + n)
+    host = torch.tensor(offsets, dtype=torch.int64)
+    kw["cu_seqlens"], kw["cu_seqlens_cpu"] = host.to(ctx.cu_seqlens.device), host
+    return ctx.group

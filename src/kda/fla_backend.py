@@ -16,7 +16,8 @@ What kda takes:
 - ``fla.ops.kda.chunk_kda``: every call kda's own checks accept (training calls too: their
   gradients come from kda's Triton backward), except calls on a GPU that kda could only run
   on its torch reference (fla's kernels are faster there) and fla's features kda does not have
-  (``cp_context``, ``return_intermediate_states``): those fall through to fla.
+  (``return_intermediate_states``, a zigzag ``cp_context``): those fall through to fla. A
+  contiguous ``cp_context`` runs kda's context parallelism.
 - fla's decode entry point ``fused_recurrent_kda_fwd`` (operation ``kda``, what serving
   engines call): every call kda's checks accept, state pools included (``inplace_final_state``
   with ``ssm_state_indices`` and ``num_accepted_tokens``: kda's decode kernel, 0.73-0.98 of
@@ -44,8 +45,13 @@ def _chunk_refusal(args: tuple, kwargs: dict) -> str | None:
     """Why kda does not take ``fla.ops.kda.chunk_kda(*args, **kwargs)``, or None."""
     from kda import api, dispatch
 
-    if kwargs.get("cp_context") is not None:
-        return "cp_context (context parallelism) is not supported by kda"
+    ctx = kwargs.get("cp_context")
+    if ctx is not None:  # kda takes fla's contiguous layout (kda.context_parallel.from_fla_cp_context)
+        layout = getattr(ctx, "layout", None)
+        if layout != "contiguous" or getattr(ctx, "cu_seqlens", None) is None:
+            return f"cp_context with layout={layout!r}: kda takes the contiguous layout only"
+        # this rank's call as kda checks it: its own tokens, described by the context's local offsets
+        kwargs = {**kwargs, "cp_context": None, "cu_seqlens": ctx.cu_seqlens, "cu_seqlens_cpu": ctx.cu_seqlens_cpu}
     try:
         problem = api.checked_problem(api.chunk_kda, *args, **kwargs)
     except (TypeError, ValueError) as err:
@@ -116,8 +122,7 @@ def _make_backends():
         def chunk_kda(self, *args, **kwargs):
             import kda
 
-            kwargs.pop("cp_context", None)  # None here (the verifier refuses any other)
-            return kda.chunk_kda(*args, **kwargs)
+            return kda.chunk_kda(*args, **kwargs)  # a contiguous cp_context included
 
     class KDADecodeBackend(BaseBackend):
         """kda's fused_recurrent_kda for fla's dispatched ``fused_recurrent_kda_fwd``."""

@@ -257,8 +257,8 @@ def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
         state_v_first = kwargs["transpose_state_layout"]
     if kwargs.get("head_first"):
         raise ValueError("`head_first=True` is not supported by KDA: pass [B, T, H, K] tensors")
-    if kwargs.get("cp_context") is not None:
-        raise ValueError("`cp_context` (context parallelism) is not supported")
+    if kwargs.get("cp_context") is not None:  # chunk_kda takes it before checking (kda.context_parallel)
+        raise ValueError("`cp_context` (context parallelism) is taken by chunk_kda only")
     if not kwargs.keys() <= KNOWN_KWARGS:  # a subset test builds no set
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs.keys() - KNOWN_KWARGS))}")
     return state_v_first
