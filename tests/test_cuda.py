@@ -310,6 +310,31 @@ def cuda_on(switches):
     switches("KDA_CUDA", None)
 
 
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("value", [float("-inf"), -1e30, -300.0])
+@pytest.mark.parametrize("g_fp32", [False, True])
+def test_gpu_cuda_hard_resets_are_exact(cuda_on, value, g_fp32):
+    """Precomputed g of -inf, -1e30 or -300 (a hard reset of its key channel, spec section 9):
+    K1 takes any g below abi.HARD_RESET as HARD_RESET, so the result is the float64 token
+    loop's (which zeroes the channel), within bf16 rounding; finite everywhere. Resets on a
+    chunk's first and last rows, twice in a chunk, in every channel of one row, in a second
+    sequence."""
+    case = cuda_case([40, 7, 300], 2, False, "precomputed", g_fp32, True, seed=12)
+    g = case.g.clone()
+    for t, h, channels in ((0, 0, [0]), (5, 1, [1, 2]), (9, 0, [1]), (15, 0, [3]), (16, 1, [3]),
+                           (17, 0, list(range(128))), (44, 1, [5]), (47, 0, [2]), (200, 1, [6])):  # fmt: skip
+        g[0, t, h, channels] = value
+    case.g = g
+    with kda.record_dispatch() as events:
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+    assert "cuda:prepare" in events, events
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, 5e-3, "o")
+    assert_close_fp64(ht, ht_ref, 5e-3, "state")
+
+
 def cuda_case(seq_lens, H, layout, gate, g_fp32, with_state, seed, steep_steps=0):
     case = make_case(seq_lens=seq_lens, H=H, K=128, V=128, dtype=torch.bfloat16, gate=gate, state_v_first=layout,
                      with_state=with_state, device="cuda", seed=seed, steep_steps=steep_steps)  # fmt: skip

@@ -23,6 +23,11 @@ L2NORM_EPS = 1e-6  # q / sqrt(sum q^2 + eps), k likewise
 # 2^-EXP2_LIMIT (16 * 5 * log2(e) = 115.4 < 116), so the kernels skip the far-row path.
 SAFE_LOWER_BOUND_MIN = -5.0
 assert -SAFE_LOWER_BOUND_MIN * CHUNK * math.log2(math.e) < EXP2_LIMIT
+# A log-decay below this is a hard reset of its key channel (spec section 9): exp(-104) is under
+# half of float32's smallest subnormal, so float32 rounds any decay through such a step to 0,
+# as for g = -inf. (reference.py says how the chunk forms keep it exact.)
+HARD_RESET = -104.0
+assert math.exp(HARD_RESET) < 2.0**-150
 
 # Params::flags bits, in order (bit i is the i-th name). C names: kGateLowerBound, kHasALog, ...
 FLAG_NAMES = (
@@ -127,6 +132,7 @@ def header() -> str:
         f"constexpr int kHeadDim = {HEAD_DIM};",
         f"constexpr float kExp2Limit = {EXP2_LIMIT!r}f;",
         f"constexpr float kL2normEps = {L2NORM_EPS!r}f;",
+        f"constexpr float kHardReset = {HARD_RESET!r}f;",
         f"constexpr int kPrepareThreads = {PREPARE_THREADS};",
         f"constexpr int kStages = {STAGES};",
         "",

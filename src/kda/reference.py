@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kda.abi import CHUNK, L2NORM_EPS  # the kernels' chunk and l2norm epsilon (one source)
+from kda.abi import CHUNK, HARD_RESET, L2NORM_EPS  # shared with the kernels (one source)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -253,13 +253,12 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return (eye - A) @ (eye + A2) @ (eye + A4) @ (eye + A8)
 
 
-# A log-decay below this is a hard reset of its key channel: exp(-104) = 6.8e-46 is under half
-# of float32's smallest subnormal, so float32 rounds every decay through such a step to 0,
-# exactly as for g = -inf (spec section 9). The cumulative sums skip these steps and count
-# them instead, so that no -inf - (-inf), no 0 * inf and no difference of two huge sums (g =
-# -1e30) is ever formed: a decay across a reset is 0, one within a stretch between resets is
-# the exponential of a finite sum.
-HARD_RESET = -104.0
+# HARD_RESET (kda.abi): a log-decay below it is a hard reset of its key channel: exp(-104) =
+# 6.8e-46 is under half of float32's smallest subnormal, so float32 rounds every decay through
+# such a step to 0, exactly as for g = -inf (spec section 9). The cumulative sums skip these
+# steps and count them instead, so that no -inf - (-inf), no 0 * inf and no difference of two
+# huge sums (g = -1e30) is ever formed: a decay across a reset is 0, one within a stretch
+# between resets is the exponential of a finite sum.
 
 
 @dataclass

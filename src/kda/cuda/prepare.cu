@@ -421,8 +421,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Para
         const float gv = g_f32 ? s.g.g32[r][col] : __bfloat162float(s.g.g16[r][col]);
         if (lower_bound)
           acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(fmaf(gv, gate_mul, gate_add[e]))), acc[e]);
-        else
-          acc[e] = fmaf(gv, kLog2e, acc[e]);
+        else  // a hard reset (g = -inf, or any g below kHardReset) as the finite kHardReset: the
+              // decay through it is 0 in float32 either way, and no -inf - (-inf) is formed; the
+              // rows past the exp2 limit that it makes take the pairwise path below
+          acc[e] = fmaf(fmaxf(gv, kHardReset), kLog2e, acc[e]);
         G[e][r8] = acc[e];
       }
     }
