@@ -93,6 +93,44 @@ def _device(group, like: torch.Tensor) -> torch.device:
     return like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
+def _agree(group, world: int, device, has_h0: bool, training: bool) -> tuple[int, int]:
+    """How many ranks pass an initial state and how many train (one all-reduce); either must be
+    all of them or none, or the ranks' collectives would not pair up (a hang, or wrong data)."""
+    counts = torch.tensor([has_h0, training], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    with_h0, trainers = (int(c) for c in counts.tolist())
+    if with_h0 not in (0, world):
+        raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
+    if trainers not in (0, world):
+        raise ValueError("`cp_group`: inputs require grad on some ranks and not on others; the backward's "
+                         "collectives pair up across ranks, so every rank trains or none does")  # fmt: skip
+    return with_h0, trainers
+
+
+def _gather(x: torch.Tensor, group, world: int, trainers: int) -> list[torch.Tensor]:
+    """Every rank's ``x``: a differentiable all-gather when the ranks train (its backward sums
+    each rank's gradient of every entry back to the rank it came from), else a plain one."""
+    if not trainers:
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x, group=group)
+        return every
+    import warnings
+
+    from torch.distributed.nn import functional as dist_autograd
+
+    if not x.requires_grad:
+        # This rank's part needs no gradient (say only the first rank's initial state trains),
+        # but the gather must still be recorded, or this rank's backward would skip the
+        # collective the others wait in.
+        x = x.detach().requires_grad_()
+    with warnings.catch_warnings():
+        # torch 2.13 marks it deprecated in favour of the private functional collectives
+        # (torch.distributed._functional_collectives, whose names changed between 2.11 and
+        # 2.13); this public one runs on gloo too (off NCCL its backward is an all-to-all).
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
+        return list(dist_autograd.all_gather(x, group=group))
+
+
 def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module."""
     rank, world, lengths = _check(group, q, dict(kw, v=v))
@@ -113,36 +151,12 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     training = torch.is_grad_enabled() and (
         any(x.requires_grad for x in (P, R)) or (h0 is not None and h0.requires_grad)
     )  # fmt: skip
-    counts = torch.tensor([h0 is not None, training], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, group=group)
-    has_h0, trainers = (int(c) for c in counts.tolist())
-    if has_h0 not in (0, world):
-        raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
-    if trainers not in (0, world):
-        raise ValueError("`cp_group`: inputs require grad on some ranks and not on others; the backward's "
-                         "collectives pair up across ranks, so every rank trains or none does")  # fmt: skip
+    has_h0, trainers = _agree(group, world, device, h0 is not None, training)
     start = torch.zeros(R.shape, dtype=torch.float32, device=R.device)
     if has_h0 and rank == 0:
         start = as_kv(h0.float()).to(R.device)
     mine = torch.cat([P, R, start], dim=-1).to(device).contiguous()  # [B, HV, K, K + 2 V]
-    if trainers and not mine.requires_grad:
-        # Only the first rank's initial state trains: the others' gathered tensor must still
-        # be recorded, or their backward would skip the collective the first rank waits in.
-        mine.requires_grad_()
-    if trainers:
-        import warnings
-
-        from torch.distributed.nn import functional as dist_autograd
-
-        with warnings.catch_warnings():
-            # torch 2.13 marks it deprecated in favour of the private functional collectives
-            # (torch.distributed._functional_collectives, whose names changed between 2.11 and
-            # 2.13); this public one runs on gloo too (off NCCL its backward is an all-to-all).
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
-            every = dist_autograd.all_gather(mine, group=group)
-    else:
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
+    every = _gather(mine, group, world, trainers)
     V = R.shape[-1]
     S = every[0][..., K + V :]
 
@@ -209,27 +223,9 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
         any(x.requires_grad for x in (q, k, v, g, beta)) or (h0 is not None and h0.requires_grad)
         or any(kw.get(n) is not None and kw[n].requires_grad for n in ("A_log", "dt_bias"))
     )  # fmt: skip
-    counts = torch.tensor([h0 is not None, training], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, group=group)
-    has_h0, trainers = (int(c) for c in counts.tolist())
-    if has_h0 not in (0, world):
-        raise ValueError("`cp_group`: pass `initial_state` on every rank or on none")
-    if trainers not in (0, world):
-        raise ValueError("`cp_group`: inputs require grad on some ranks and not on others; the backward's "
-                         "collectives pair up across ranks, so every rank trains or none does")  # fmt: skip
+    has_h0, trainers = _agree(group, world, device, h0 is not None, training)
     sent = torch.cat([P, R], dim=-1).to(device).contiguous()  # [1, HV, K, K + V]
-    if trainers:
-        import warnings
-
-        from torch.distributed.nn import functional as dist_autograd
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
-            every = dist_autograd.all_gather(sent if sent.requires_grad else sent.requires_grad_(), group=group)
-    else:
-        every = [torch.empty_like(sent) for _ in range(world)]
-        dist.all_gather(every, sent, group=group)
-    every = [e.to(q.device) for e in every]
+    every = [e.to(q.device) for e in _gather(sent, group, world, trainers)]
 
     # 3. each piece's true start: its sequence's initial state, with the earlier ranks'
     # transitions folded in for a first piece that continues a sequence begun on another rank
