@@ -22,6 +22,26 @@ from helpers import make_case, rel
 T_LOCAL = 20  # not a multiple of 16: rank boundaries fall inside the unsharded call's chunks
 
 
+def exits_without_teardown(worker):
+    """A spawned worker that, once it has passed and destroyed its process group, leaves with
+    os._exit(0) instead of the interpreter's teardown. Seen once, 2026-12-01, in CI (2 cores,
+    a 3-rank gradient run): one worker died with SIGABRT ("terminate called without an active
+    exception", no Python error) while the others still ran; six runs of that test alone
+    passed. The likeliest cause is a gloo thread destroyed at exit (pytorch/pytorch#179291
+    describes gloo's worker threads crashing interpreter finalization); if the crash was
+    mid-run instead, this does not cure it. A failure still raises first, and spawn reports it."""
+
+    @functools.wraps(worker)
+    def run(*args):
+        worker(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run
+
+
+@exits_without_teardown
 def _worker(rank, world, store, backend, layout, with_h0, mismatch):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
@@ -43,6 +63,7 @@ def _worker(rank, world, store, backend, layout, with_h0, mismatch):
         dist.destroy_process_group()
 
 
+@exits_without_teardown
 def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
     """Each rank's loss: its outputs against fixed weights, and (last rank) the final state's.
     Summed over ranks it is the unsharded call's loss, so every gradient must match: the local
@@ -95,6 +116,7 @@ def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
         dist.destroy_process_group()
 
 
+@exits_without_teardown
 def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, train):
     """Packed sequences ``lens`` cut into rank slices of ``slices`` tokens: outputs and final
     states against the unsharded packed call, and with ``train`` every gradient too (each
@@ -155,6 +177,7 @@ def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, t
         dist.destroy_process_group()
 
 
+@exits_without_teardown
 def _fla_context_worker(rank, world, store, lens):
     """fla's own contiguous cp_context (fla.ops.cp.build_cp_context) instead of cp_group."""
     from fla.ops.cp import build_cp_context
