@@ -26,7 +26,7 @@ import torch
 import kda
 from kda import bench, dispatch, validation
 from kda.cuda import forward, loader
-from kda.triton.common import chunk_tables
+from kda.tables import chunk_tables
 
 CASE = {"seq_lens": [64], "H": 1}
 

@@ -198,7 +198,7 @@ def test_fused_recurrent_gets_gradients_through_the_same_op():
 def test_checkpoint_rows_bound_every_layout():
     """The checkpoint tensor's rows come from the shapes alone (the op's fake needs them): the
     bound covers the exact count of every layout."""
-    from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, checkpoint_rows, chunk_tables
+    from kda.tables import CHECKPOINT_CHUNKS, CHUNK, checkpoint_rows, chunk_tables
 
     span = CHUNK * CHECKPOINT_CHUNKS
     for lens in ([0], [1], [span], [span + 1, 0, 1], [span - 1] * 5, [3 * span + 17, 2]):

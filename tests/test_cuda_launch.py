@@ -12,7 +12,7 @@ import kda
 from helpers import make_case
 from kda.api import checked_problem
 from kda.cuda import forward, loader
-from kda.triton.common import chunk_tables
+from kda.tables import chunk_tables
 
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
 OK = driver.CUresult.CUDA_SUCCESS
@@ -111,6 +111,8 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     monkeypatch.setattr(forward, "_current_device", None)
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    built = []  # varlen tables are built per call: keep the ones the launch was given
+    monkeypatch.setattr(forward, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     case.initial_state = case.initial_state.to(state_dtype)
     kw = case.kwargs(state_v_first=True, final_state_dtype=state_dtype)
@@ -120,7 +122,8 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
 
     (prepare_args, prm), (recurrence_args, prm_again) = libcuda.calls
     assert bytes(prm) == bytes(prm_again)
-    tables = chunk_tables(p)
+    (tables,) = built
+    assert tables.chunk_offsets.tolist() == [0, 2, 3]
     pointers = dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, A_log=p.A_log, dt_bias=p.dt_bias, h0=p.initial_state)
     pointers |= dict(ht=ht, o=o, seq_offsets=tables.seq_offsets, chunk_offsets=tables.chunk_offsets)
     pointers |= dict(chunk_seq=tables.chunk_seq, seq_order=tables.seq_order)

@@ -261,45 +261,6 @@ def test_autotune_prunes_configs_that_would_spill():
     assert len(_fits_in_registers(configs[1:2], {}, BK=256)) == 1
 
 
-def test_chunk_tables_are_built_once_per_layout():
-    """Repeated calls on the same layout reuse the device tables (no host->device copy, so
-    a warm call can be captured in a CUDA graph); another layout gets its own."""
-    from kda.triton.common import chunk_tables
-
-    a = make_case(seq_lens=[5, 20], H=1, K=16, V=16, seed=20)
-    b = make_case(seq_lens=[20, 5], H=1, K=16, V=16, seed=21)
-    pa = checked_problem(kda.chunk_kda, *a.tensors(), **a.kwargs())
-    pa2 = checked_problem(kda.chunk_kda, *a.tensors(), **a.kwargs())
-    pb = checked_problem(kda.chunk_kda, *b.tensors(), **b.kwargs())
-    assert chunk_tables(pa) is chunk_tables(pa2)
-    assert chunk_tables(pb) is not chunk_tables(pa)
-    assert chunk_tables(pb).chunk_offsets.tolist() == [0, 2, 3]
-
-
-def test_chunk_tables_keep_the_recent_layouts_and_every_captured_one(monkeypatch):
-    """The cache drops the least recently used layout beyond its size, never one a CUDA graph
-    captured (the graph replays its addresses)."""
-    from collections import OrderedDict
-
-    from kda.triton import common
-
-    monkeypatch.setattr(common, "_TABLES", OrderedDict())
-    monkeypatch.setattr(common, "_CAPTURED", {})
-    monkeypatch.setattr(common, "_last", (None, None))
-    monkeypatch.setattr(common, "TABLES_CACHED", 3)
-    cases = [make_case(seq_lens=[n, 3], H=1, K=16, V=16, seed=n) for n in range(1, 6)]
-    p = [checked_problem(kda.chunk_kda, *c.tensors(), **c.kwargs()) for c in cases]
-    captured = common.chunk_tables(p[0], capturing=True)
-    kept = [common.chunk_tables(x) for x in (p[1], p[2])]
-    assert common.chunk_tables(p[1]) is kept[0]  # p[1] is now the most recent
-    common.chunk_tables(p[3])
-    common.chunk_tables(p[4])
-    lengths = [key[-1][1] for key in common._TABLES]  # cu_seqlens values (0, n, n + 3): n
-    assert lengths == [2, 4, 5], "the least recently used layouts go first"
-    assert common.chunk_tables(p[0]) is captured, "a captured layout is kept for good"
-    assert common.chunk_tables(p[1]) is kept[0] and common.chunk_tables(p[1]) is kept[0]
-
-
 @pytest.mark.parametrize(
     "gate, value",
     [("precomputed", float("-inf")), ("precomputed", -1e30), ("precomputed", -300.0), ("softplus", float("inf")),

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kda import dispatch
-from kda.triton.common import checkpoint_rows
+from kda.tables import checkpoint_rows
 from kda.validation import Problem
 
 
@@ -33,7 +33,7 @@ def _problem(
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
     values = None if cu_seqlens_cpu is None else tuple(cu_seqlens_cpu.tolist())
-    N = B if values is None else len(values) - 1
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     gate_form = "precomputed" if not use_gate else ("softplus" if lower_bound is None else "lower_bound")
     return Problem(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, use_gate,

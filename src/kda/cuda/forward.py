@@ -10,7 +10,7 @@ import torch
 import kda.cuda as switches
 from kda.cuda import loader
 from kda.dispatch import note
-from kda.triton.common import chunk_tables
+from kda.tables import chunk_tables
 from kda.validation import Problem
 
 
@@ -140,7 +140,8 @@ def chunk_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         ht = q.new_empty(p.state_shape, dtype=dtype)
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return o, ht
-    tables = chunk_tables(p, capturing)
+    with on_device(device_index):  # the tables' (Triton) launch goes to the current device's stream
+        tables = chunk_tables(p, capturing)
     nbytes = workspace_bytes(p, tables)
     if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
         workspace = stream_workspace(q, stream, nbytes)
@@ -158,7 +159,9 @@ def run_stages(
     alone). Not on the call path: :func:`chunk_forward` allocates its own."""
     kernels, device_index, stream, capturing = _launch_context(p)
     if p.N * p.H:
-        _launch(p, o, ht, workspace, chunk_tables(p, capturing), kernels, device_index, stream, run_prepare)
+        with on_device(device_index):
+            tables = chunk_tables(p, capturing)
+        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare)
     return o, ht
 
 

@@ -15,7 +15,8 @@ from functools import cache
 import torch
 
 from kda.dispatch import note, prefers_decode
-from kda.triton.common import chunk_tables, interpreter_fault, interpreting
+from kda.tables import chunk_tables
+from kda.triton.common import interpreter_fault, interpreting
 from kda.triton.prepare import prepare_chunks
 from kda.triton.recurrence import recurrence_v_split
 from kda.validation import Problem

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN, autotune_configs, interpreting, safe_gate_path
+from kda.tables import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN
+from kda.triton.common import autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
     EXP2_LIMIT,
     HARD_RESET,
@@ -124,6 +125,8 @@ def chunk_state_grads_kernel(
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     n, bos, eos, c_first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    if t0 >= eos:  # a slot past the real chunks (kda.tables)
+        return
     c_from = i_c - (i_c - c_first) % CHECKPOINT  # first chunk of this chunk's checkpoint
     checkpoint_row = tl.load(checkpoint_offsets + n) + (i_c - c_first) // CHECKPOINT
 
@@ -199,6 +202,8 @@ def chunk_du_grads_kernel(
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    if t0 >= eos:
+        return
     rows = tl.arange(0, ROWS)
     tok = t0 + rows
     row_ok = tok < eos
@@ -244,6 +249,8 @@ def chunk_input_grads_kernel(
     i_h = tl.program_id(1)
     # Named, not `_`: the loop below assigns `_` a tensor, and Triton gives a variable one type.
     _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    if t0 >= eos:
+        return
     rows = tl.arange(0, ROWS)
     rows_k = tl.arange(0, BK)
     tok = t0 + rows

@@ -32,7 +32,8 @@ import triton.language as tl
 from kda import abi
 from kda.reference import GATE_FLOOR as _GATE_FLOOR
 from kda.reference import HARD_RESET as _HARD_RESET
-from kda.triton.common import CHUNK, autotune_configs, safe_gate_path
+from kda.tables import CHUNK
+from kda.triton.common import autotune_configs, safe_gate_path
 
 ROWS = tl.constexpr(CHUNK)
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -209,6 +210,8 @@ def prepare_chunks_kernel(
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     _, _, eos, _, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
+    if t0 >= eos:  # a slot past the real chunks (kda.tables): nothing reads its workspace
+        return
 
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BK)

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHECKPOINT_CHUNKS, CHUNK, autotune_configs, interpreting
+from kda.tables import CHECKPOINT_CHUNKS, CHUNK
+from kda.triton.common import autotune_configs, interpreting
 
 ROWS = tl.constexpr(CHUNK)
 

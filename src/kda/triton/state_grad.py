@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.triton.common import CHUNK, autotune_configs, interpreting
+from kda.tables import CHUNK
+from kda.triton.common import autotune_configs, interpreting
 from kda.triton.recurrence import _fits_in_registers, _mm, state_slice
 
 ROWS = tl.constexpr(CHUNK)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from kda.dispatch import note
+from kda.tables import checkpoint_rows, chunk_tables
 from kda.triton import chunk_forward, precision_for
 from kda.triton.chunk_grad import chunk_grads
-from kda.triton.common import checkpoint_rows, chunk_tables
 from kda.triton.prepare import prepare_chunks
 from kda.triton.state_grad import state_grad_chain
 from kda.validation import Problem
