@@ -63,7 +63,9 @@ def chunk_kda(
         return_intermediate_states: not supported (raises ValueError).
         state_v_first: states in VK layout ``[N, HV, V, K]`` (the kernels' native layout).
         cu_seqlens: int64 ``[N + 1]`` offsets of N packed sequences (then ``B == 1``).
-        cu_seqlens_cpu: a CPU copy of ``cu_seqlens``; saves a device-to-host sync.
+        cu_seqlens_cpu: a CPU copy of ``cu_seqlens``: the offsets are checked from it, with no
+            device-to-host sync (without it they are copied once, unless
+            ``KDA_CHECK_CU_SEQLENS=0``; README, "Varlen"). The kernels read ``cu_seqlens``.
         backend: ``"auto"`` (CUDA, then Triton, then torch, the first that supports the
             call), ``"cuda"``, ``"triton"`` or ``"torch"``. An explicit backend that cannot
             run the call raises :class:`kda.BackendUnavailableError` saying why.
@@ -110,10 +112,10 @@ def chunk_kda(
         cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
     span = segments.segment_tokens()
-    if span and not problem.requires_grad and not torch.compiler.is_compiling():
-        lengths = [problem.T] * problem.B if problem.cu_seqlens_values is None else [
-            b - a for a, b in zip(problem.cu_seqlens_values, problem.cu_seqlens_values[1:])
-        ]  # fmt: skip
+    varlen, values = problem.cu_seqlens is not None, problem.cu_seqlens_values
+    # (the split needs the lengths on the host: a call that left them unchecked is not split)
+    if span and not problem.requires_grad and not torch.compiler.is_compiling() and (values or not varlen):
+        lengths = [b - a for a, b in zip(values, values[1:])] if varlen else [problem.T] * problem.B
         if max(lengths, default=0) > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
@@ -167,7 +169,7 @@ def fused_recurrent_kda(
     values are read on the device only; Triton runs pools in one launch
     (``kda.triton.decode``), torch in its token loop. Varlen: pass ``cu_seqlens_cpu`` (kda
     only, as in :func:`chunk_kda`) as well, or ``cu_seqlens`` is copied to the host once per
-    call (a sync, and no CUDA-graph capture).
+    call to be checked (a sync; none under a CUDA-graph capture or ``KDA_CHECK_CU_SEQLENS=0``).
     """
     if inplace_final_state or ssm_state_indices is not None or num_accepted_tokens is not None:
         problem = pooled_problem(

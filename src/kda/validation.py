@@ -59,8 +59,8 @@ class Problem:
     dt_bias: torch.Tensor | None  # [HV * K] or [HV, K], A_log's dtype, only with use_gate
     state_v_first: bool
     cu_seqlens: torch.Tensor | None
-    cu_seqlens_cpu: torch.Tensor | None  # host copy of cu_seqlens (given, or made when checking it)
-    cu_seqlens_values: tuple[int, ...] | None  # cu_seqlens as Python ints (the chunk tables' cache key)
+    cu_seqlens_cpu: torch.Tensor | None  # host copy of cu_seqlens (given, or made when checking it; None: unchecked)
+    cu_seqlens_values: tuple[int, ...] | None  # cu_seqlens as Python ints, where checked on the host
     requires_grad: bool  # autograd will want a backward through this call
     final_state_dtype: torch.dtype  # of the returned final state: float32 (fla's) unless asked otherwise
     B: int
@@ -87,7 +87,8 @@ class Problem:
 
     @property
     def longest(self) -> int:
-        """Tokens in the longest sequence (host arithmetic on the CPU copy of cu_seqlens)."""
+        """Tokens in the longest sequence (host arithmetic on the CPU copy of cu_seqlens; without
+        one, varlen calls answer T, the most a sequence can have)."""
         if self.cu_seqlens_cpu is None:
             return self.T
         return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max()) if self.N else 0
@@ -144,7 +145,14 @@ def _any_requires_grad(tensors: tuple[torch.Tensor | None, ...]) -> bool:
 
 
 OFFSET_DTYPES = (torch.int64, torch.int32)
-CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "0") == "1"
+# How `cu_seqlens` on a GPU is checked (README, "Varlen"). The kernels read it on the device
+# (kda.tables clamps what they read, so no value can take them outside a tensor); the values
+# are checked on the host:
+#   unset: from `cu_seqlens_cpu` when given (no sync), else from one copy to the host (a sync);
+#   "1":   that, and `cu_seqlens_cpu` compared with `cu_seqlens` (a sync: for debugging);
+#   "0":   from `cu_seqlens_cpu` when given, else not at all: no call ever syncs.
+# A CUDA-graph capture never copies (it could not): its replays take any lengths.
+CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "")
 
 
 def _check_cu_seqlens(
@@ -174,21 +182,20 @@ def _check_cu_seqlens(
                 f"`cu_seqlens_cpu` must be an int64 or int32 CPU copy of `cu_seqlens` with shape {list(shape)}, "
                 f"got {host.dtype} on {host.device} with shape {list(host.shape)}"
             )
-        # The layout is read from the host copy alone (the kernels never read cu_seqlens), so
-        # the two must agree. Compared where that costs no device sync: both on the CPU, or
-        # with KDA_CHECK_CU_SEQLENS=1 (one sync per call: for debugging).
-        if (cu.is_cpu or CHECK_CU_SEQLENS) and not torch.equal(cu.cpu().long(), host.long()):
+        # The kernels read `cu_seqlens`; its host copy is what is checked (and what sets the
+        # route), so the two must agree. Compared where that costs no device sync: both on the
+        # CPU, or with KDA_CHECK_CU_SEQLENS=1 (one sync per call).
+        if (cu.is_cpu or CHECK_CU_SEQLENS == "1") and not torch.equal(cu.cpu().long(), host.long()):
             raise ValueError(
-                f"`cu_seqlens_cpu` {host.tolist()} disagrees with `cu_seqlens` {cu.tolist()} (the layout is read "
-                "from `cu_seqlens_cpu`)"
+                f"`cu_seqlens_cpu` {host.tolist()} disagrees with `cu_seqlens` {cu.tolist()} (the kernels read "
+                "`cu_seqlens`; its values are checked from `cu_seqlens_cpu`)"
             )
         values = host
+    elif cu.is_cpu:
+        values = cu
+    elif CHECK_CU_SEQLENS == "0" or torch.cuda.is_current_stream_capturing():
+        return cu.long().contiguous(), None, None  # unchecked: see CHECK_CU_SEQLENS
     else:
-        if cu.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "`cu_seqlens_cpu` is required while capturing a CUDA graph (checking `cu_seqlens` "
-                "would copy it to the host, which a capture cannot do)"
-            )
         values = cu.cpu()  # one host sync; pass cu_seqlens_cpu to avoid it
     # One tolist and Python comparisons: each small torch op (index, compare, any, item) is a
     # dispatcher round trip of about a microsecond, against a 40 us host budget per call.
@@ -347,7 +354,7 @@ def check_problem(
         _require_devices(device, k=k, v=v, g=g, beta=beta)
 
     cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
-    N = B if cu_seqlens_values is None else len(cu_seqlens_values) - 1
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
     state_dtypes = STATE_DTYPES[dtype]
     if initial_state is not None:
@@ -487,10 +494,12 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
         if idx.device != p.q.device:
             _require_device("ssm_state_indices", idx, p.q.device)
         longest = p.longest
+        unchecked = p.cu_seqlens is not None and p.cu_seqlens_cpu is None  # lengths not on the host
         if idx.dim() == 1 and idx.shape[0] == p.N:
             if accepted is not None:
                 raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
-        elif idx.dim() == 2 and idx.shape[0] == p.N and idx.shape[1] >= max(longest, 1):
+        elif idx.dim() == 2 and idx.shape[0] == p.N and (idx.shape[1] >= max(longest, 1) or unchecked):
+            # (unchecked lengths, validation.CHECK_CU_SEQLENS: the kernel stops each sequence at S)
             if accepted is not None:
                 acc = _require_tensor("num_accepted_tokens", accepted)
                 if acc.dtype not in INDEX_DTYPES or acc.shape != (p.N,):

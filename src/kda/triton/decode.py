@@ -12,8 +12,8 @@ slots), 1 (``indices [N]``: read and write ``indices[n]``) or 2 (``indices [N, S
 ``indices[n, accepted[n] - 1]`` (column 0 without ``accepted``), write the state after token t
 to ``indices[n, t]``). An index outside ``[0, P)`` is no slot: nothing read (zeros), nothing
 written, so no index can reach memory outside the pool. The kernel reads indices and
-``cu_seqlens`` on the device (the call's validation still copies ``cu_seqlens`` to the host
-once unless ``cu_seqlens_cpu`` is given)."""
+``cu_seqlens`` on the device, clamped into the call's tokens (validation checks the lengths on
+the host: see ``validation.CHECK_CU_SEQLENS``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ DECODE_BV = 32  # V columns of a program in a small grid, on DECODE_WARPS warps
 DECODE_WARPS = 4
 DECODE_BV_STREAMING = 16  # V columns of a one-warp program in a grid of many
 DECODE_MANY_PROGRAMS = 1024  # programs (at DECODE_BV columns) from which the one-warp shape wins
+# Cache hints on the state's one read and one write (evict-first load, streaming store): off
+# until measured (benchmarks/NOTES.md, decode).
+DECODE_STREAM = False
 
 
 @triton.jit
@@ -48,6 +51,7 @@ def decode_kernel(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
+    STREAM: tl.constexpr,  # states read and written once: evict-first loads, streaming stores
 ):  # fmt: skip
     # One grid dimension (V slices fastest): a second one would stop at 65535 sequence-heads.
     pid = tl.program_id(0).to(tl.int64)
@@ -55,9 +59,11 @@ def decode_kernel(
     i_v, i_nh = pid % slices_v, pid // slices_v
     n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if VARLEN:
-        bos = tl.load(seq_offsets + n)
-        eos = tl.load(seq_offsets + n + 1)
+    if VARLEN:  # clamped as kda.tables clamps: no offset reaches past the T tokens
+        bos = tl.minimum(tl.maximum(tl.load(seq_offsets + n), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(seq_offsets + n + 1), bos), T)
+        if INDICES == 2:  # and no token past the row of indices (unchecked lengths)
+            eos = tl.minimum(eos, bos + S_COLS)
     else:  # B sequences of T tokens: no offsets table, nothing built on the host
         bos = n * T
         eos = bos + T
@@ -84,7 +90,11 @@ def decode_kernel(
     first_mask = _in_pool(first, tile, state_mask, P)
     St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:
-        St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
+        if STREAM:
+            St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0,
+                          eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+        else:
+            St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
 
     a = 1.0
     if GATE != 0 and HAS_A_LOG:
@@ -115,7 +125,10 @@ def decode_kernel(
             to_mask = _in_pool(to, tile, state_mask, P)
             tl.store(ht + to * slot_size + tile, St.to(ht.dtype.element_ty), mask=to_mask)
     if STORE_HT and INDICES != 2:
-        tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask)
+        if STREAM:
+            tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask, cache_modifier=".cs")
+        else:
+            tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask)
 
 
 def decode_launch(p) -> tuple[int, int]:
@@ -131,12 +144,15 @@ def decode_launch(p) -> tuple[int, int]:
     return min(DECODE_BV, triton.next_power_of_2(p.V)), DECODE_WARPS
 
 
-def decode(p, block_v: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode(
+    p, block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``p`` (a checked call: a pool's, or a plain one with few tokens per sequence) in one
     launch: ``(o, final state)``. A pool is updated in place and returned; a plain call's
     final state is a new tensor (or None without ``output_final_state``). Nothing is built
     on the host: batched calls need no offsets, varlen ones read ``cu_seqlens`` on the device.
-    ``block_v``, ``num_warps``: override the launch (benchmarks compare them)."""
+    ``block_v``, ``num_warps``, ``stream`` (cache hints): override the launch (benchmarks
+    compare them)."""
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
     if p.pool is not None:
         h0 = ht = p.pool
@@ -160,7 +176,8 @@ def decode(p, block_v: int | None = None, num_warps: int | None = None) -> tuple
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
         VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, num_warps=warps,
+        INDICES=mode, HAS_ACCEPTED=p.accepted is not None, STREAM=DECODE_STREAM if stream is None else stream,
+        num_warps=warps,
     )  # fmt: skip
     return o, ht
 
