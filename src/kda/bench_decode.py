@@ -29,7 +29,8 @@ TARGET_RATIO = 0.8
 TARGET_BANDWIDTH = 0.9
 CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_BLOCK_V = (8, 16, 32, 64)
-SWEEP_WARPS = (1, 2, 4, 8)
+SWEEP_WARPS = (1, 2, 4)
+SWEEP_STREAM = (False, True)  # the decode kernel's cache hints (decode.DECODE_STREAM)
 
 
 def decode_inputs(N: int, T: int = 1, state_dtype=torch.float32, seed: int = 0, H: int = DECODE_HEADS):
@@ -136,7 +137,8 @@ def accuracy(calls: dict, N: int = 32) -> dict:
 
 
 def sweep(N: int) -> dict:
-    """The decode kernel's graph-replay time at each (block_v, num_warps), plain call, fp32."""
+    """The decode kernel's graph-replay time at each (block_v, num_warps, cache hints), plain
+    call, fp32."""
     import kda
     from kda.api import checked_problem
     from kda.triton.decode import decode
@@ -146,10 +148,12 @@ def sweep(N: int) -> dict:
     out = {}
     for bv in SWEEP_BLOCK_V:
         for warps in SWEEP_WARPS:
-            try:
-                out[f"BV{bv}-w{warps}"] = graph_ms(lambda bv=bv, warps=warps: decode(p, block_v=bv, num_warps=warps))
-            except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
-                out[f"BV{bv}-w{warps}"] = f"{type(e).__name__}"
+            for stream in SWEEP_STREAM:
+                name = f"BV{bv}-w{warps}" + ("-stream" if stream else "")
+                try:
+                    out[name] = graph_ms(lambda bv=bv, w=warps, s=stream: decode(p, block_v=bv, num_warps=w, stream=s))
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
+                    out[name] = f"{type(e).__name__}"
     return out
 
 
@@ -172,6 +176,76 @@ def crossover(N: int = 32) -> list[dict]:
         rows.append(row)
         print("crossover", row, flush=True)
     return rows
+
+
+PREFILL_SEQUENCES = 32  # sequences per prefill call, lengths drawn anew for every call
+PREFILL_LONGEST = 512
+PREFILL_LAYOUTS = 16  # layouts cycled through, one per call
+
+
+def prefill(seed: int = 3) -> dict:
+    """The serving prefill: varlen calls whose lengths change on every call (cycling through
+    PREFILL_LAYOUTS layouts of PREFILL_SEQUENCES sequences, 1 to PREFILL_LONGEST tokens each),
+    ``cu_seqlens`` on the device with its host copy. Per contender: the eager time per call (the
+    host's share included: nothing is replayed), the host time alone (calls issued back to
+    back, no wait), and whether a call synchronised (torch's sync debug mode set to error)."""
+    import time
+
+    import triton.testing
+
+    import kda
+
+    gen = torch.Generator().manual_seed(seed)
+    layouts = []
+    for _ in range(PREFILL_LAYOUTS):
+        lengths = torch.randint(1, PREFILL_LONGEST + 1, (PREFILL_SEQUENCES,), generator=gen)
+        host = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        layouts.append((host.cuda(), host))
+    most = max(int(h[-1]) for _, h in layouts)
+    t, kw = decode_inputs(1, T=most, seed=seed)
+    kw["initial_state"] = kw["initial_state"].expand(PREFILL_SEQUENCES, -1, -1, -1).contiguous()
+    calls = {"kda": kda.chunk_kda}
+    if importlib.util.find_spec("fla") is not None:
+        os.environ["FLA_FLASH_KDA"] = "0"
+        from fla.ops.kda import chunk_kda as fla_chunk
+
+        calls["fla"] = fla_chunk
+    out = {"sequences": PREFILL_SEQUENCES, "longest": PREFILL_LONGEST, "layouts": PREFILL_LAYOUTS,
+           "mean_tokens": sum(int(h[-1]) for _, h in layouts) / PREFILL_LAYOUTS}  # fmt: skip
+    for name, fn in calls.items():
+        turn = [0]
+
+        def step(fn=fn, turn=turn):
+            cu, host = layouts[turn[0] % PREFILL_LAYOUTS]
+            turn[0] += 1
+            n = int(host[-1])
+            with torch.inference_mode():
+                return fn(*(x[:, :n] for x in t), **kw, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=host)
+
+        for _ in range(2 * PREFILL_LAYOUTS):  # compile and tune every layout's shapes first
+            step()
+        torch.cuda.synchronize()
+        row = {"eager_ms": triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(PREFILL_LAYOUTS):
+            step()
+        row["host_ms"] = (time.perf_counter() - start) / PREFILL_LAYOUTS * 1e3
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(PREFILL_LAYOUTS):
+                step()
+            row["host_sync"] = "none"
+        except RuntimeError as e:
+            row["host_sync"] = str(e).splitlines()[0][:120]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[name] = row
+    if "fla" in out:
+        out["ratio_eager"] = out["kda"]["eager_ms"] / out["fla"]["eager_ms"]
+    print("prefill", out, flush=True)
+    return out
 
 
 def decode_main(args) -> int:
@@ -200,6 +274,11 @@ def decode_main(args) -> int:
                     kw_kda = kw
                 floor = state_bytes(N, state_dtype) / (copy_tbps * 1e12) * 1e3
                 row = {"N": N, "state": str(state_dtype).removeprefix("torch."), "mode": mode, "floor_ms": floor}
+                # The same bytes as one copy of the states, replayed the same way: the floor at
+                # this size, launch and ramp included (the floor above is a 2 GB copy's rate)
+                src = kw["initial_state"]
+                dst = torch.empty_like(src)
+                row["state_copy_graph_ms"] = graph_ms(lambda src=src, dst=dst: dst.copy_(src))
                 for name, call in calls.items():
                     kwn = kw_kda if name == "kda" else kw
                     try:
@@ -215,6 +294,7 @@ def decode_main(args) -> int:
                 report["cases"].append(row)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 write_report(report, out / stem, markdown_table, lambda r, p: None)
+    report["prefill_varlen"] = prefill()
     if not args.quick:  # --quick: the cases alone
         report["sweep_fp32_plain"] = {N: sweep(N) for N in DECODE_SEQUENCES}
         print("sweep", report["sweep_fp32_plain"], flush=True)
@@ -231,9 +311,9 @@ def markdown_table(report: dict) -> str:
         f"{report['timing']}. Copy bandwidth {report['measured_copy_TBps']:.2f} TB/s. Inputs: {report['inputs']}",
         f"Versions: {report['versions']}",
         "",
-        "| state | mode | N | floor ms | kda graph ms | fla graph ms | kda / fla | kda BW frac | fla BW frac "
-        "| kda eager ms | fla eager ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| state | mode | N | floor ms | state copy ms | kda graph ms | fla graph ms | kda / fla | kda BW frac "
+        "| fla BW frac | kda eager ms | fla eager ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(row, key, fmt="{:.4f}"):
@@ -241,7 +321,8 @@ def markdown_table(report: dict) -> str:
 
     for r in report["cases"]:
         lines.append(
-            f"| {r['state']} | {r['mode']} | {r['N']} | {f(r, 'floor_ms')} | {f(r, 'kda_graph_ms')} "
+            f"| {r['state']} | {r['mode']} | {r['N']} | {f(r, 'floor_ms')} | {f(r, 'state_copy_graph_ms')} "
+            f"| {f(r, 'kda_graph_ms')} "
             f"| {f(r, 'fla_graph_ms')} | {f(r, 'ratio_graph', '{:.3f}')} | {f(r, 'kda_bandwidth_fraction', '{:.2f}')} "
             f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} |"
         )
@@ -249,6 +330,12 @@ def markdown_table(report: dict) -> str:
     if acc:
         lines += ["", "Accuracy against the float64 token loop (N=32, T=4): "
                   + ", ".join(f"{n}: o {a['o']:.2e}, state {a['state']:.2e}" for n, a in acc.items())]  # fmt: skip
+    pre = report.get("prefill_varlen")
+    if pre:
+        lines += ["", f"Varlen prefill, {pre['sequences']} sequences of 1-{pre['longest']} tokens drawn anew per call "
+                  f"(mean {pre['mean_tokens']:.0f} tokens), eager: "
+                  + "; ".join(f"{n} {pre[n]['eager_ms']:.4f} ms per call, host {pre[n]['host_ms']:.4f} ms, "
+                              f"syncs: {pre[n]['host_sync']}" for n in ("kda", "fla") if n in pre)]  # fmt: skip
     if "crossover_N32" in report:
         steps = ["T={}: {}".format(r["T"], ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k != "T"))
                  for r in report["crossover_N32"]]  # fmt: skip
