@@ -6,7 +6,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
+from kda.tables import build_tables_kernel
 from kda.triton.chunk_grad import chunk_du_grads_kernel, chunk_input_grads_kernel, chunk_state_grads_kernel
+from kda.triton.decode import decode_kernel
 from kda.triton.prepare import prepare_chunks_kernel
 from kda.triton.recurrence import recurrence_v_split_kernel
 from kda.triton.state_grad import state_grad_chain_kernel
@@ -15,7 +17,9 @@ FP32 = ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht", "checkpoin
         "ddt_bias_part", "d_operands", "d_squares", "d_gamma_in", "d_gamma_out", "d_u")  # fmt: skip
 POINTERS = {
     **{n: "*fp32" for n in FP32},
-    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets")},
+    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets", "cu_seqlens",
+                           "seq_order")},
+    **{n: "*i32" for n in ("indices", "accepted")},
 }
 
 
@@ -73,4 +77,23 @@ for gate in (0, 1, 2):
         dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
              SAFE=gate == 1, DOT_PRECISION="tf32"),
         8,
+    )  # fmt: skip
+# the chunk tables (integer work: no tensor cores)
+for varlen, rank in ((True, True), (True, False), (False, False)):
+    build(
+        build_tables_kernel,
+        {"N": "i32", "T": "i32", "T_EACH": "i32", "H": "i32", "SLOTS": "i32"},
+        dict(VARLEN=varlen, RANK=rank, CHECKPOINT=4, BLOCK=64),
+        tensor_cores=False,
+    )  # fmt: skip
+# decode: plain (batched) and a 2-D pool (varlen), one warp and four, with and without cache hints
+for indices, (BV, num_warps), stream in ((0, (16, 1), False), (2, (32, 4), True)):
+    build(
+        decode_kernel,
+        {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32",
+         **{n: "i32" for n in ("P", "T", "H", "HV", "K", "V", "S_COLS")}},
+        dict(BK=128, BV=BV, GATE=1, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
+             STATE_V_FIRST=indices == 2, VARLEN=indices == 2, HAS_H0=True, STORE_HT=True, INDICES=indices,
+             HAS_ACCEPTED=indices == 2, STREAM=stream),
+        num_warps, tensor_cores=False,
     )  # fmt: skip

@@ -21,6 +21,7 @@ import triton.language as tl
 from kda import abi
 
 CHUNK = abi.CHUNK  # tokens per chunk
+_ROWS = tl.constexpr(CHUNK)  # the same, as the kernels may read it
 DOT_MIN = 16  # tl.dot's smallest M, N and K: a block that feeds a dot is at least this wide
 # The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
 # sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
@@ -104,9 +105,9 @@ def _sequences(cu_seqlens, n0, N, T, T_EACH, carry, VARLEN: tl.constexpr, BLOCK:
         y = tl.load(cu_seqlens + n + 1, mask=n < N, other=T)
         end = tl.maximum(tl.minimum(tl.maximum(y, 0), T), start)
     else:  # B sequences of T_EACH tokens
-        start = tl.minimum(n, N) * T_EACH
-        end = tl.minimum(n + 1, N) * T_EACH
-    chunks = tl.where(n < N, (end - start + CHUNK - 1) // CHUNK, 0)
+        start = tl.minimum(n, N).to(tl.int64) * T_EACH
+        end = tl.minimum(n + 1, N).to(tl.int64) * T_EACH
+    chunks = tl.where(n < N, (end - start + _ROWS - 1) // _ROWS, 0)
     return n, start, end, chunks
 
 
@@ -155,7 +156,7 @@ def build_tables_kernel(
                 n0 += BLOCK
             owner = before
         else:
-            owner = c // tl.maximum((T_EACH + CHUNK - 1) // CHUNK, 1)
+            owner = c // tl.maximum((T_EACH + _ROWS - 1) // _ROWS, 1)
         tl.store(chunk_seq + c, tl.minimum(owner, N - 1), mask=c < SLOTS)
     else:
         m0 = (pid - 1 - slot_programs) * BLOCK
