@@ -17,8 +17,10 @@ FP32 = ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht", "checkpoin
         "ddt_bias_part", "d_operands", "d_squares", "d_gamma_in", "d_gamma_out", "d_u")  # fmt: skip
 POINTERS = {
     **{n: "*fp32" for n in FP32},
-    **{n: "*i64" for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets", "cu_seqlens",
-                           "seq_order")},
+    **{
+        n: "*i64"
+        for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets", "cu_seqlens", "seq_order")
+    },
     **{n: "*i32" for n in ("indices", "accepted")},
 }
 
