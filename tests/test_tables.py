@@ -101,6 +101,23 @@ def test_any_offsets_give_tables_inside_the_call(offsets):
     assert sorted(t.seq_order.tolist()) == list(range(N * 2))
 
 
+@pytest.mark.parametrize(
+    "cu, B, T",
+    [([0, 16, 16, 57, 300], 1, 300), (list(range(0, 131)), 1, 130), ([5, -3, 100, 40, 1000], 1, 50), (None, 3, 17)],
+)
+def test_host_tables_equal_the_kernels(cu, B, T, monkeypatch):
+    """CPU tensors outside the interpreter (the fake-launch tests on a GPU machine) get the
+    tables from torch ops: the same as the kernel's, bit for bit, for any offsets."""
+    cu_dev = None if cu is None else torch.tensor(cu, device=DEVICE)
+    want = build_tables(problem(cu_dev, B, T, 2))
+    monkeypatch.setattr(tables, "_interpreting", lambda: False)
+    host = problem(None if cu is None else torch.tensor(cu), B, T, 2)
+    host.q = torch.empty(1)
+    got = build_tables(host)
+    for name in ("seq_offsets", "chunk_offsets", "chunk_seq", "seq_order", "checkpoint_offsets"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
 def test_batched_tables_are_kept_varlen_ones_built_per_call():
     """Batched tables depend on the shapes alone and are kept; varlen ones are built from
     ``cu_seqlens`` on every call (its values may change between calls, or graph replays)."""
@@ -130,8 +147,9 @@ def test_varlen_values_are_checked_once_on_the_host_unless_told_not_to(monkeypat
 
 def _threaded_calls(backend: str, threads: int = 4, calls: int = 3) -> None:
     """Several threads, each with its own layouts, call kda at once; every result must equal
-    the same call made alone."""
-    cases = [[make_case(seq_lens=[3 + 5 * i + j, 40 - 7 * j, 16], H=2, K=16, V=16, device=DEVICE, seed=10 * i + j)
+    the same call made alone. (The CUDA kernels take bf16 and head size 128.)"""
+    shape = dict(K=128, V=128, dtype=torch.bfloat16) if backend == "cuda" else dict(K=16, V=16)
+    cases = [[make_case(seq_lens=[3 + 5 * i + j, 40 - 7 * j, 16], H=2, device=DEVICE, seed=10 * i + j, **shape)
               for j in range(calls)] for i in range(threads)]  # fmt: skip
     alone = [[kda.chunk_kda(*c.tensors(), backend=backend, **c.kwargs()) for c in row] for row in cases]
     got: dict[int, list] = {}
@@ -206,8 +224,9 @@ def test_gpu_varlen_prefill_replays_in_a_cuda_graph_with_new_lengths(backend):
     cases = [_prefill_case(lens, seed=20 + i) for i, lens in enumerate(layouts)]
     first = cases[0]
     buffers = [x.clone() for x in first.tensors()]
-    state, cu = first.initial_state.clone(), first.cu_seqlens.clone()
-    kw = first.kwargs(initial_state=state, cu_seqlens=cu)
+    # every tensor the call reads is a captured buffer, refilled before each replay
+    held = {n: getattr(first, n).clone() for n in ("initial_state", "A_log", "dt_bias", "cu_seqlens")}
+    kw = first.kwargs(**held)
 
     def call():
         return kda.chunk_kda(*buffers, backend=backend, **kw)
@@ -223,8 +242,8 @@ def test_gpu_varlen_prefill_replays_in_a_cuda_graph_with_new_lengths(backend):
     for c in cases[1:] + cases[:1]:
         for buf, x in zip(buffers, c.tensors()):
             buf.copy_(x)
-        state.copy_(c.initial_state)
-        cu.copy_(c.cu_seqlens)
+        for n, buf in held.items():
+            buf.copy_(getattr(c, n))
         graph.replay()
         o_eager, ht_eager = kda.chunk_kda(*c.tensors(), backend=backend, **c.kwargs())
         assert torch.equal(o, o_eager) and torch.equal(ht, ht_eager), c.cu_seqlens.tolist()

@@ -28,7 +28,7 @@ D = 128
 TARGET_RATIO = 0.8
 TARGET_BANDWIDTH = 0.9
 CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-SWEEP_BLOCK_V = (8, 16, 32, 64)
+SWEEP_BLOCK_V = (8, 16, 32, 64, 128)
 SWEEP_WARPS = (1, 2, 4)
 SWEEP_STREAM = (False, True)  # the decode kernel's cache hints (decode.DECODE_STREAM)
 

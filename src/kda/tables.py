@@ -208,7 +208,8 @@ def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
 
 
 def build_tables(p) -> ChunkTables:
-    """Launch :func:`build_tables_kernel` for ``p`` into one int64 tensor."""
+    """Launch :func:`build_tables_kernel` for ``p`` into one int64 tensor (on the CPU outside
+    the interpreter, where no kernel can run: the same tables by torch, :func:`_host_tables`)."""
     varlen = p.cu_seqlens is not None
     N = p.N
     slots = chunk_slots(p.B, p.T, N, varlen)
@@ -216,7 +217,9 @@ def build_tables(p) -> ChunkTables:
     seq_offsets, chunk_offsets, checkpoint_offsets = packed[: 3 * (N + 1)].view(3, N + 1).unbind()
     chunk_seq = packed[3 * (N + 1) : 3 * (N + 1) + slots]
     seq_order = packed[3 * (N + 1) + slots :]
-    if N:
+    if N and p.q.is_cpu and not _interpreting():
+        _host_tables(p, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets)
+    elif N:
         build_tables_kernel[(1 + triton.cdiv(slots, BLOCK) + triton.cdiv(N, BLOCK),)](
             p.cu_seqlens if varlen else packed, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets,
             N, p.T, 0 if varlen else p.T, p.H, slots,
@@ -233,3 +236,30 @@ def build_tables(p) -> ChunkTables:
         num_chunks=slots,
         BK=max(triton.next_power_of_2(p.K), DOT_MIN),
     )
+
+
+def _interpreting() -> bool:
+    from kda.triton.common import interpreting
+
+    return interpreting()
+
+
+def _host_tables(p, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets) -> None:
+    """:func:`build_tables_kernel`'s tables by torch ops, for CPU tensors outside the
+    interpreter (tests that fake the CUDA launch on the CPU)."""
+    N = p.N
+    if p.cu_seqlens is None:
+        offsets = torch.arange(N + 1, dtype=torch.int64) * p.T
+    else:
+        offsets = torch.cummax(p.cu_seqlens.long().clamp(0, p.T), 0).values
+    seq_offsets.copy_(offsets)
+    lengths = offsets[1:] - offsets[:-1]
+    counts = (lengths + CHUNK - 1) // CHUNK
+    chunk_offsets[0] = checkpoint_offsets[0] = 0
+    torch.cumsum(counts, 0, out=chunk_offsets[1:])
+    torch.cumsum((counts + CHECKPOINT_CHUNKS - 1) // CHECKPOINT_CHUNKS, 0, out=checkpoint_offsets[1:])
+    owners = torch.searchsorted(chunk_offsets[1:], torch.arange(chunk_seq.numel()), right=True)
+    chunk_seq.copy_(owners.clamp(max=N - 1))
+    ranked = p.cu_seqlens is not None and N <= ORDER_MAX
+    order = torch.argsort(lengths, descending=True, stable=True) if ranked else torch.arange(N)
+    seq_order.copy_((order[:, None] * p.H + torch.arange(p.H)[None, :]).reshape(-1))
