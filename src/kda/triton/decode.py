@@ -28,8 +28,9 @@ DECODE_BV = 32  # V columns of a program in a small grid, on DECODE_WARPS warps
 DECODE_WARPS = 4
 DECODE_BV_STREAMING = 16  # V columns of a one-warp program in a grid of many
 DECODE_MANY_PROGRAMS = 1024  # programs (at DECODE_BV columns) from which the one-warp shape wins
-# Cache hints on the state's one read and one write (evict-first load, streaming store): off
-# until measured (benchmarks/NOTES.md, decode).
+# Cache hints on the state's one read and one write (evict-first load, streaming store). Off:
+# slower at every launch shape measured (H200, 2026-12-01, run 15, fp32, N=32: 16 x 1 0.0432 ms,
+# with the hints 0.0511; N=256: 0.2832 / 0.3514; benchmarks/NOTES.md, decode).
 DECODE_STREAM = False
 
 
