@@ -157,6 +157,19 @@ def sweep(N: int) -> dict:
     return out
 
 
+def layouts(N: int) -> dict:
+    """kda's decode step (plain call, fp32, default launch, graph replay) with the state in
+    fla's [N, H, K, V] layout and in [N, H, V, K] (``state_v_first``: a program's V rows
+    of K values are one contiguous run, where the K-first layout gives it BV values per row)."""
+    import kda
+
+    t, kw = decode_inputs(N)
+    out = {"k_first_ms": graph_ms(lambda: kda.fused_recurrent_kda(*t, **kw, output_final_state=True))}
+    kw_v = {**kw, "initial_state": kw["initial_state"].transpose(-1, -2).contiguous(), "state_v_first": True}
+    out["v_first_ms"] = graph_ms(lambda: kda.fused_recurrent_kda(*t, **kw_v, output_final_state=True))
+    return out
+
+
 def crossover(N: int = 32) -> list[dict]:
     """chunk_kda's stages against the decode kernel at T tokens per sequence (graph replay)."""
     import kda
@@ -295,6 +308,8 @@ def decode_main(args) -> int:
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 write_report(report, out / stem, markdown_table, lambda r, p: None)
     report["prefill_varlen"] = prefill()
+    report["layouts_fp32_plain"] = {N: layouts(N) for N in DECODE_SEQUENCES}
+    print("layouts", report["layouts_fp32_plain"], flush=True)
     if not args.quick:  # --quick: the cases alone
         report["sweep_fp32_plain"] = {N: sweep(N) for N in DECODE_SEQUENCES}
         print("sweep", report["sweep_fp32_plain"], flush=True)
@@ -336,6 +351,10 @@ def markdown_table(report: dict) -> str:
                   f"(mean {pre['mean_tokens']:.0f} tokens), eager: "
                   + "; ".join(f"{n} {pre[n]['eager_ms']:.4f} ms per call, host {pre[n]['host_ms']:.4f} ms, "
                               f"syncs: {pre[n]['host_sync']}" for n in ("kda", "fla") if n in pre)]  # fmt: skip
+    lay = report.get("layouts_fp32_plain")
+    if lay:
+        lines += ["", "kda, fp32 plain, state layout (graph ms, [N,H,K,V] / [N,H,V,K]): " + "; ".join(
+            f"N={n}: {r['k_first_ms']:.4f} / {r['v_first_ms']:.4f}" for n, r in lay.items())]  # fmt: skip
     if "crossover_N32" in report:
         steps = ["T={}: {}".format(r["T"], ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k != "T"))
                  for r in report["crossover_N32"]]  # fmt: skip
