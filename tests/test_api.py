@@ -155,6 +155,44 @@ def test_bench_table_renders_every_section():
         assert expected in table, table
 
 
+def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
+    """``kda bench --decode`` and ``--long`` Markdown from synthetic reports (their device runs
+    write the table after every case: a formatting error would end a run), and the long
+    bench's KDA_SEGMENT_TOKENS setting restored after each timed call."""
+    import os
+
+    from kda import bench_decode, bench_long
+
+    head = {"gpu": "GPU", "date": "2026-12-01", "versions": {"kda": "0.1.0"}, "timing": "median",
+            "measured_copy_TBps": 4.27, "inputs": "bf16"}  # fmt: skip
+    decode = dict(head, cases=[{"N": 32, "state": "float32", "mode": "plain", "floor_ms": 0.0314,
+                                "state_copy_graph_ms": 0.037, "kda_graph_ms": 0.0435, "fla_graph_ms": 0.0508,
+                                "ratio_graph": 0.856, "kda_bandwidth_fraction": 0.72}],
+                  accuracy_vs_fp64_N32_T4={"kda": {"o": 1.66e-3, "state": 8.6e-8}},
+                  prefill_varlen={"sequences": 32, "longest": 512, "mean_tokens": 8293.0,
+                                  "kda": {"eager_ms": 0.354, "host_ms": 0.268, "host_sync": "none"}},
+                  layouts_fp32_plain={32: {"k_first_ms": 0.0435, "v_first_ms": 0.04}},
+                  crossover_N32=[{"T": 1, "decode": 0.046, "triton_chunks": 0.081}])  # fmt: skip
+    table = bench_decode.markdown_table(decode)
+    for expected in ("| float32 | plain | 32 | 0.0314 | 0.0370 | 0.0435 | 0.0508 | 0.856 | 0.72 |",
+                     "kda 0.3540 ms per call, host 0.2680 ms, syncs: none", "N=32: 0.0435 / 0.0400",
+                     "T=1: decode 0.0460"):  # fmt: skip
+        assert expected in table, table
+    long = dict(head, cases=[{"case": "1x2097152 H8", "floor_ms": 5.0, "ms": {"kda-cuda": 94.0, "fla": 89.5},
+                              "ratio_to_fla": {"kda-cuda": 1.05, "fla": 1.0}, "target_ratio": 0.25,
+                              "split_vs_uncut": {"kda-cuda-seg4096": {"o": 1e-3, "state": 2e-3}}}])  # fmt: skip
+    table = bench_long.markdown_table(long)
+    assert "| 1x2097152 H8 | 5.000 | 89.500 (1.000) | 94.000 (1.050) | 0.25 |" in table, table
+    assert "1x2097152 H8 kda-cuda-seg4096: o 1.0e-03, state 2.0e-03" in table, table
+
+    monkeypatch.setenv(bench_long.SETTING, "32")
+    assert bench_long.with_segments(4096, lambda: os.environ[bench_long.SETTING])() == "4096"
+    assert os.environ[bench_long.SETTING] == "32"
+    monkeypatch.delenv(bench_long.SETTING)
+    bench_long.with_segments(16, lambda: None)()
+    assert bench_long.SETTING not in os.environ
+
+
 def test_importing_kda_leaves_triton_and_dynamo_unimported():
     """``import kda`` imports neither Triton nor torch._dynamo (which imports Triton): Triton
     reads TRITON_INTERPRET when it is imported, and the CLI sets it after importing kda. Nor

@@ -281,6 +281,10 @@ def main(args) -> int:
         from kda.bench_decode import decode_main
 
         return decode_main(args)
+    if args.long:
+        from kda.bench_long import long_main
+
+        return long_main(args)
     calls = contenders()
     if args.impls:
         wanted = args.impls.split(",")

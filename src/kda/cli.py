@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--decode", action="store_true", help="decode steps against fla's fused_recurrent_kda (kda.bench_decode)"
     )
+    bench.add_argument(
+        "--long", action="store_true", help="long sequences, uncut and segment-split, against fla (kda.bench_long)"
+    )
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
     bench.add_argument(
         "--tag", default="", help="suffix for the result file names (partial runs); --tag=-x for a leading dash"

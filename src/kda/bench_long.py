@@ -1,0 +1,124 @@
+"""``kda bench --long``: long single sequences (issue 13's cases) beside fla's ``chunk_kda``,
+same inputs, same process, each with its floor; kda's CUDA path uncut and with the segment
+split at several lengths (``KDA_SEGMENT_TOKENS``, ``kda.segments``), and how far each split's
+outputs and final state move from the uncut call's.
+
+Inputs as ``kda bench`` (kda.bench.make_inputs): bf16, K = V = 128, the lower-bound gate,
+l2norm and beta sigmoid in the kernel, fp32 states [N, H, V, K]. fla may autotune for minutes
+on a head count it has not met (the autotune cache travels in .whl/triton-autotune.tgz)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+
+from kda.bench import contenders, floor_bytes, make_inputs, measure_copy_tbps, versions, write_report
+from kda.segments import SETTING
+
+LONG_CASES = [
+    {"name": "1x32768 H32", "seq_lens": [32768], "H": 32},
+    {"name": "1x131072 H32", "seq_lens": [131072], "H": 32},
+    {"name": "1x524288 H16", "seq_lens": [524288], "H": 16},
+    {"name": "1x2097152 H8", "seq_lens": [2097152], "H": 8},
+]
+# issue 13's bars, as ratios to fla's time
+TARGET_RATIO = {"1x32768 H32": 0.30, "1x131072 H32": 0.30, "1x2097152 H8": 0.25}
+SEGMENT_TOKENS = (4096, 16384, 65536)  # the split's lengths timed beside the uncut call
+REP_MS = 1000  # do_bench's measuring time: a long call takes up to ~100 ms
+
+
+def timed(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")
+
+
+def with_segments(tokens: int, fn):
+    """``fn`` run with KDA_SEGMENT_TOKENS set to ``tokens`` (read by every call), then restored."""
+
+    def run():
+        before = os.environ.get(SETTING)
+        os.environ[SETTING] = str(tokens)
+        try:
+            return fn()
+        finally:
+            if before is None:
+                os.environ.pop(SETTING, None)
+            else:
+                os.environ[SETTING] = before
+
+    return run
+
+
+def long_main(args) -> int:
+    from kda.reference import relative_rms
+
+    calls = contenders()
+    copy_tbps = measure_copy_tbps()
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
+        "measured_copy_TBps": copy_tbps,
+        "timing": f"median of triton.testing.do_bench (warmup 25 ms, rep {REP_MS} ms), same inputs, same process",
+        "inputs": __doc__.split("Inputs as ")[1].split(" fla may")[0].strip(),
+        "cases": [],
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{props.name.split()[-1].lower()}-{date}-long{args.tag}"
+    cases = LONG_CASES[:2] if args.quick else LONG_CASES
+    for case in cases:
+        tensors, kw = make_inputs(case)
+        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
+        with torch.inference_mode():
+            for name, call in calls.items():
+                row["ms"][name] = timed(lambda call=call: call(tensors, kw))
+                print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms", flush=True)
+            if "kda-cuda" in calls:
+                o0, s0 = calls["kda-cuda"](tensors, kw)
+                row["split_vs_uncut"] = {}
+                for tokens in SEGMENT_TOKENS:
+                    split = with_segments(tokens, lambda: calls["kda-cuda"](tensors, kw))
+                    name = f"kda-cuda-seg{tokens}"
+                    row["ms"][name] = timed(split)
+                    o, s = split()
+                    row["split_vs_uncut"][name] = {"o": relative_rms(o, o0), "state": relative_rms(s, s0)}
+                    print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms {row['split_vs_uncut'][name]}",
+                          flush=True)  # fmt: skip
+                del o0, s0
+        if "fla" in row["ms"]:
+            row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
+            row["target_ratio"] = TARGET_RATIO.get(case["name"])
+        report["cases"].append(row)
+        write_report(report, out / stem, markdown_table, lambda r, p: None)
+    print(markdown_table(report))
+    return 0
+
+
+def markdown_table(report: dict) -> str:
+    names = sorted({n for r in report["cases"] for n in r["ms"]})
+    lines = [
+        f"# Long sequences, {report['gpu']}, {report['date']}",
+        "",
+        f"{report['timing']}. Copy bandwidth {report['measured_copy_TBps']:.2f} TB/s. Inputs: {report['inputs']}",
+        f"Versions: {report['versions']}",
+        "",
+        "| case | floor ms | " + " | ".join(f"{n} ms (/ fla)" for n in names) + " | bar |",
+        "|---|---:|" + "---:|" * len(names) + "---:|",
+    ]
+    for r in report["cases"]:
+        cells = []
+        for n in names:
+            t, ratio = r["ms"].get(n), r.get("ratio_to_fla", {}).get(n)
+            cells.append("-" if t is None else f"{t:.3f}" + (f" ({ratio:.3f})" if ratio is not None else ""))
+        bar = r.get("target_ratio")
+        lines.append(f"| {r['case']} | {r['floor_ms']:.3f} | " + " | ".join(cells) + f" | {bar or '-'} |")
+    moved = [f"{r['case']} {n}: o {d['o']:.1e}, state {d['state']:.1e}" for r in report["cases"]
+             for n, d in r.get("split_vs_uncut", {}).items()]  # fmt: skip
+    if moved:
+        lines += ["", "Split against the uncut CUDA call (relative RMS): " + "; ".join(moved)]
+    return "\n".join(lines) + "\n"
