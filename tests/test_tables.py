@@ -64,6 +64,15 @@ def test_varlen_tables_match_a_model_of_them(lengths, H):
     check_against_model(t, lengths, H)
 
 
+@pytest.mark.parametrize("N", [63, 64, 65, 128, 129])
+def test_varlen_tables_at_the_builders_block_edges(N):
+    """Sequence counts at the edges of the builder's blocks of 64 (hypothesis may not draw them)."""
+    gen = torch.Generator().manual_seed(N)
+    lengths = torch.randint(0, 40, (N,), generator=gen).tolist()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    check_against_model(build_tables(problem(cu, 1, sum(lengths), 2)), lengths, 2)
+
+
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 17), (2, 0), (5, 64), (70, 5)])
 def test_batched_tables_match_a_model_of_them(B, T):
     t = build_tables(problem(None, B, T, 2))
@@ -80,10 +89,10 @@ def test_longest_first_order_gives_way_to_the_given_order_past_its_limit(monkeyp
     assert build_tables(problem(cu, 1, 25, 1)).seq_order.tolist() == [2, 1, 0]
 
 
-@pytest.mark.parametrize(
-    "offsets",
-    [[5, -3, 100, 40, 1000], [0, 50, 10, 50], [-7, -7, -1], [0, 2**40, 3], [0, 13, 13, 2, 50]],
-)
+ANY_OFFSETS = [[5, -3, 100, 40, 1000], [0, 50, 10, 50], [-7, -7, -1], [0, 2**40, 3], [0, 13, 13, 2, 50]]
+
+
+@pytest.mark.parametrize("offsets", ANY_OFFSETS)
 def test_any_offsets_give_tables_inside_the_call(offsets):
     """Whatever a graph replay or an unchecked call puts in ``cu_seqlens``, the tables the
     kernels walk stay inside the T tokens and the chunk slots: offsets clamped into [0, T]
@@ -98,12 +107,17 @@ def test_any_offsets_give_tables_inside_the_call(offsets):
     assert chunk[0] == 0 and all(a <= b for a, b in zip(chunk, chunk[1:])) and chunk[-1] <= t.num_chunks
     assert all(b - a == -(-(y - x) // CHUNK) for a, b, x, y in zip(chunk, chunk[1:], seq, seq[1:]))
     assert all(0 <= n < N for n in t.chunk_seq.tolist())
+    # Every slot's first token: inside its owner for the real chunks, past its end for the rest.
+    for c, n in enumerate(t.chunk_seq.tolist()):
+        t0 = seq[n] + (c - chunk[n]) * CHUNK
+        assert (seq[n] <= t0 < seq[n + 1]) if c < chunk[-1] else t0 >= seq[n + 1], (c, n, t0)
     assert sorted(t.seq_order.tolist()) == list(range(N * 2))
 
 
 @pytest.mark.parametrize(
     "cu, B, T",
-    [([0, 16, 16, 57, 300], 1, 300), (list(range(0, 131)), 1, 130), ([5, -3, 100, 40, 1000], 1, 50), (None, 3, 17)],
+    [([0, 16, 16, 57, 300], 1, 300), (list(range(0, 131)), 1, 130), (None, 3, 17)]
+    + [(offsets, 1, 50) for offsets in ANY_OFFSETS],
 )
 def test_host_tables_equal_the_kernels(cu, B, T, monkeypatch):
     """CPU tensors outside the interpreter (the fake-launch tests on a GPU machine) get the
@@ -128,6 +142,38 @@ def test_batched_tables_are_kept_varlen_ones_built_per_call():
     pb = checked_problem(kda.chunk_kda, *b.tensors(), **b.kwargs())
     assert chunk_tables(pb) is not chunk_tables(pb)
     assert chunk_tables(pb).chunk_offsets.tolist() == [0, 1, 3]
+
+
+def test_batched_tables_are_kept_up_to_their_limit(monkeypatch):
+    """BATCHED_CACHED shapes are kept; past it, tables are built per call and nothing is evicted."""
+    monkeypatch.setattr(tables, "_BATCHED", {})
+    monkeypatch.setattr(tables, "BATCHED_CACHED", 1)
+    a, b = (problem(None, B, 20, 1) for B in (2, 3))
+    kept = chunk_tables(a)
+    assert chunk_tables(a) is kept
+    assert chunk_tables(b) is not chunk_tables(b)
+    assert list(tables._BATCHED.values()) == [kept]
+
+
+@pytest.mark.gpu
+def test_gpu_batched_tables_are_kept_per_stream(monkeypatch):
+    """A batched table is built on the stream of its first call; another stream gets its own
+    (it could otherwise run before the build did), a capture keeps none."""
+    monkeypatch.setattr(tables, "_BATCHED", {})
+    p = problem(None, 4, 33, 2)
+    here = chunk_tables(p)
+    assert chunk_tables(p) is here
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        there = chunk_tables(p)
+        assert there is not here and chunk_tables(p) is there
+    torch.cuda.synchronize()
+    assert there.chunk_seq.tolist() == here.chunk_seq.tolist()
+    kept = dict(tables._BATCHED)
+    graph, new = torch.cuda.CUDAGraph(), problem(None, 5, 33, 2)
+    with torch.cuda.graph(graph):  # (the kernel compiled above: 5 and 4 specialise alike)
+        chunk_tables(new)
+    assert kept == tables._BATCHED
 
 
 def test_varlen_values_are_checked_once_on_the_host_unless_told_not_to(monkeypatch):

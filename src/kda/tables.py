@@ -35,8 +35,9 @@ BLOCK = 64
 # sequences (the ranking is quadratic); more sequences fill the GPU whatever their order, so
 # beyond it they are taken as they come.
 ORDER_MAX = 4096
-# Batched layouts depend on the shapes alone: their tables are kept, for this many shapes
-# (then built per call). Never evicted, so no kernel still queued can see them freed.
+# Batched layouts depend on the shapes alone: their tables are kept, for this many (shape,
+# stream) pairs (then built per call). Never evicted, so no kernel still queued can see them
+# freed; kept per stream, so no call on another stream can read them before their build ran.
 BATCHED_CACHED = 64
 
 
@@ -143,14 +144,18 @@ def build_tables_kernel(
         if VARLEN:
             # The sequence of slot c is the number of sequences whose chunks end at or before
             # it; sequence blocks past this block of slots are never read.
-            last = (pid - 1).to(tl.int64) * BLOCK + BLOCK - 1
+            first = (pid - 1).to(tl.int64) * BLOCK
+            last = first + BLOCK - 1
             before = tl.zeros([BLOCK], dtype=tl.int64)
             carry, chunk_carry, n0 = zero, zero, 0
             while (n0 < N) & (chunk_carry <= last):
                 n, start, end, chunks = _sequences(cu_seqlens, n0, N, T, T_EACH, carry, VARLEN, BLOCK)
                 ends = chunk_carry + tl.cumsum(chunks, 0)
-                done = (ends[None, :] <= c[:, None]) & (n < N)[None, :]
-                before += tl.sum(done.to(tl.int64), 1)
+                if tl.max(tl.where(n < N, ends, 0), 0) <= first:  # the whole block ends before these slots
+                    before += tl.sum((n < N).to(tl.int64), 0)
+                else:
+                    done = (ends[None, :] <= c[:, None]) & (n < N)[None, :]
+                    before += tl.sum(done.to(tl.int64), 1)
                 carry = tl.max(tl.where(n < N, end, 0), 0)
                 chunk_carry += tl.sum(chunks, 0)
                 n0 += BLOCK
@@ -188,13 +193,15 @@ _BATCHED: dict[tuple, ChunkTables] = {}
 
 
 def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
-    """The tables of ``p`` (a checked Problem), built on its device by one launch; batched
-    layouts are kept (:data:`BATCHED_CACHED`). ``capturing``: whether the current stream is
-    being captured, if the caller knows (tables built in a capture live in its graph's pool,
-    so they are not kept)."""
+    """The tables of ``p`` (a checked Problem), built on its device by one launch on the current
+    stream; batched layouts are kept per stream (:data:`BATCHED_CACHED`). ``capturing``: whether
+    the current stream is being captured, if the caller knows (tables built in a capture live
+    in its graph's pool, so they are not kept)."""
     varlen = p.cu_seqlens is not None
-    key = None if varlen else (p.q.device, p.B, p.T, p.H, p.K)
-    if key is not None:
+    key = None
+    if not varlen:
+        stream = torch.cuda.current_stream(p.q.device).cuda_stream if p.q.is_cuda else 0
+        key = (p.q.device, stream, p.B, p.T, p.H, p.K)
         tables = _BATCHED.get(key)
         if tables is not None:
             return tables

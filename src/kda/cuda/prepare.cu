@@ -323,10 +323,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Para
 
   const int64_t n = p.chunk_seq[c];
   const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), p.seq_offsets[n + 1] - bos));
+  const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
   // A slot past the call's real chunks (the tables have room for the most the shapes allow):
   // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
-  if (rows <= 0) return;
+  if (left <= 0) return;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), left));
   const bool g_f32 = p.flags & kGFloat32;
   unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
 

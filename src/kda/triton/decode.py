@@ -60,7 +60,8 @@ def decode_kernel(
     i_v, i_nh = pid % slices_v, pid // slices_v
     n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if VARLEN:  # clamped as kda.tables clamps: no offset reaches past the T tokens
+    if VARLEN:  # clamped into [0, T] (unchecked offsets that decrease make sequences overlap:
+        # their outputs then race, but no access leaves the tensors)
         bos = tl.minimum(tl.maximum(tl.load(seq_offsets + n), 0), T)
         eos = tl.minimum(tl.maximum(tl.load(seq_offsets + n + 1), bos), T)
         if INDICES == 2:  # and no token past the row of indices (unchecked lengths)

@@ -52,8 +52,11 @@ def state_slice(seq_offsets, chunk_offsets, HV, K, V, BK: tl.constexpr, BV: tl.c
     sequence's tokens and chunks, its index vectors, and its slice of an [N, HV, ...] state in
     the caller's layout. Returns ``(n, i_hv, bos, eos, c_first, c_end, rows, rows_k, cols_v,
     v_ok, state_mask, state_tile)``."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
+    # One grid dimension (V slices fastest, as a 2-D grid would order them): a second one
+    # would stop at 65535 (sequence, value head) pairs.
+    pid = tl.program_id(0).to(tl.int64)
+    slices_v = tl.cdiv(V, BV)
+    i_v, i_nh = pid % slices_v, pid // slices_v
     n, i_hv = i_nh // HV, i_nh % HV
     bos = tl.load(seq_offsets + n)
     eos = tl.load(seq_offsets + n + 1)
@@ -148,7 +151,7 @@ def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, 
     """Launch the recurrence over every (V slice, sequence, value head); writes o and ht, and
     with ``checkpoints`` ([rows, HV, V, K] float32) the training forward's state checkpoints."""
     N, HV = tables.seq_offsets.shape[0] - 1, p.HV
-    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]), N * HV)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
     recurrence_v_split_kernel[grid](
         p.v, o, p.initial_state, ht, checkpoints,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],

@@ -91,7 +91,7 @@ def state_grad_chain(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, d
     ([NC, HV, V, K]: the gradient of the state leaving each chunk) and ``dh0`` (float32, the
     initial state's layout) when given."""
     N, HV = tables.seq_offsets.shape[0] - 1, p.HV
-    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]), N * HV)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
     state_grad_chain_kernel[grid](
         do, dht, dh0, dstates,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["M"],
