@@ -87,6 +87,19 @@ def measure_copy_tbps() -> float:
     return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12
 
 
+def report_header(timing: str, inputs: str) -> tuple[dict, float, str]:
+    """``(report, copy TB/s, file stem)`` of a bench run: the GPU, date, versions and measured
+    copy bandwidth every report starts with, and ``<gpu>-<date>`` for its file names."""
+    copy_tbps = measure_copy_tbps()
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    report = {
+        "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
+        "measured_copy_TBps": copy_tbps, "timing": timing, "inputs": inputs,
+    }  # fmt: skip
+    return report, copy_tbps, f"{props.name.split()[-1].lower()}-{date}"
+
+
 def contenders() -> dict:
     """name -> callable(tensors, kwargs) for every implementation present."""
     import kda

@@ -11,14 +11,13 @@ default layout)."""
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 from pathlib import Path
 
 import torch
 
-from kda.bench import measure_copy_tbps, versions, write_report
+from kda.bench import report_header, write_report
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
 DECODE_HEADS = 32
@@ -262,20 +261,15 @@ def prefill(seed: int = 3) -> dict:
 
 
 def decode_main(args) -> int:
-    copy_tbps = measure_copy_tbps()
-    props = torch.cuda.get_device_properties(0)
-    date = datetime.date.today().isoformat()
-    report = {
-        "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
-        "measured_copy_TBps": copy_tbps,
-        "timing": "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
-        "inputs": __doc__.split("Shapes: ")[1].strip(),
-        "accuracy_vs_fp64_N32_T4": accuracy(contenders("plain")),
-        "cases": [],
-    }  # fmt: skip
+    report, copy_tbps, stem = report_header(
+        "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
+        __doc__.split("Shapes: ")[1].strip(),
+    )
+    report["accuracy_vs_fp64_N32_T4"] = accuracy(contenders("plain"))
+    report["cases"] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{props.name.split()[-1].lower()}-{date}-decode{args.tag}"
+    stem = f"{stem}-decode{args.tag}"
     for state_dtype in (torch.float32, torch.bfloat16):
         for mode in ("plain", "pool"):
             calls = contenders(mode)

@@ -9,13 +9,12 @@ on a head count it has not met (the autotune cache travels in .whl/triton-autotu
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 
 import torch
 
-from kda.bench import contenders, floor_bytes, make_inputs, measure_copy_tbps, versions, write_report
+from kda.bench import contenders, floor_bytes, make_inputs, report_header, write_report
 from kda.segments import SETTING
 
 LONG_CASES = [
@@ -57,19 +56,14 @@ def long_main(args) -> int:
     from kda.reference import relative_rms
 
     calls = contenders()
-    copy_tbps = measure_copy_tbps()
-    props = torch.cuda.get_device_properties(0)
-    date = datetime.date.today().isoformat()
-    report = {
-        "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
-        "measured_copy_TBps": copy_tbps,
-        "timing": f"median of triton.testing.do_bench (warmup 25 ms, rep {REP_MS} ms), same inputs, same process",
-        "inputs": __doc__.split("Inputs as ")[1].split(" fla may")[0].strip(),
-        "cases": [],
-    }  # fmt: skip
+    report, copy_tbps, stem = report_header(
+        f"median of triton.testing.do_bench (warmup 25 ms, rep {REP_MS} ms), same inputs, same process",
+        __doc__.split("Inputs as ")[1].split(" fla may")[0].strip(),
+    )
+    report["cases"] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{props.name.split()[-1].lower()}-{date}-long{args.tag}"
+    stem = f"{stem}-long{args.tag}"
     cases = LONG_CASES[:2] if args.quick else LONG_CASES
     for case in cases:
         tensors, kw = make_inputs(case)
