@@ -14,8 +14,8 @@ arithmetic (the transitions' runs). ``KDA_SEGMENT_TOKENS`` sets it: unset or 0, 
 default: the split has not been timed on a GPU yet); a positive multiple of 16, split
 sequences longer than that. Inference calls only (a call that requires grad is never
 split), and only calls whose lengths are on the host (a varlen call left unchecked,
-``validation.CHECK_CU_SEQLENS``, is not split). The dispatch log says when a call is split (``chunk_kda: split ... into segments``)
-and ``record_dispatch`` records ``segments:<L>``.
+``validation.CHECK_CU_SEQLENS``, is not split). The dispatch log says when a call is split
+(``chunk_kda: split ... into segments``) and ``record_dispatch`` records ``segments:<L>``.
 """
 
 from __future__ import annotations
