@@ -112,10 +112,10 @@ def chunk_kda(
         cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
     span = segments.segment_tokens()
-    varlen, values = problem.cu_seqlens is not None, problem.cu_seqlens_values
     # (the split needs the lengths on the host: a call that left them unchecked is not split)
-    if span and not problem.requires_grad and not torch.compiler.is_compiling() and (values or not varlen):
-        lengths = [b - a for a, b in zip(values, values[1:])] if varlen else [problem.T] * problem.B
+    if span and not problem.requires_grad and not torch.compiler.is_compiling() and not problem.lengths_unchecked:
+        values = problem.cu_seqlens_values
+        lengths = [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
         if max(lengths, default=0) > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own

@@ -82,7 +82,7 @@ def prefers_decode(p: Problem) -> bool:
     if p.requires_grad or torch.compiler.is_compiling():
         return False
     limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
-    if p.cu_seqlens is not None and p.cu_seqlens_cpu is None:
+    if p.lengths_unchecked:
         # Lengths never copied to the host (validation.CHECK_CU_SEQLENS): route by the mean,
         # which a decode step (a few tokens for every sequence) is judged by as well.
         mean = p.T / max(p.N, 1)

@@ -86,6 +86,11 @@ class Problem:
         return (self.N, self.HV, self.K, self.V)
 
     @property
+    def lengths_unchecked(self) -> bool:
+        """A varlen call whose lengths never reached the host (CHECK_CU_SEQLENS, a capture)."""
+        return self.cu_seqlens is not None and self.cu_seqlens_cpu is None
+
+    @property
     def longest(self) -> int:
         """Tokens in the longest sequence (host arithmetic on the CPU copy of cu_seqlens; without
         one, varlen calls answer T, the most a sequence can have)."""
@@ -494,11 +499,10 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
         if idx.device != p.q.device:
             _require_device("ssm_state_indices", idx, p.q.device)
         longest = p.longest
-        unchecked = p.cu_seqlens is not None and p.cu_seqlens_cpu is None  # lengths not on the host
         if idx.dim() == 1 and idx.shape[0] == p.N:
             if accepted is not None:
                 raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
-        elif idx.dim() == 2 and idx.shape[0] == p.N and (idx.shape[1] >= max(longest, 1) or unchecked):
+        elif idx.dim() == 2 and idx.shape[0] == p.N and (idx.shape[1] >= max(longest, 1) or p.lengths_unchecked):
             # (unchecked lengths, validation.CHECK_CU_SEQLENS: the kernel stops each sequence at S)
             if accepted is not None:
                 acc = _require_tensor("num_accepted_tokens", accepted)
