@@ -1,8 +1,17 @@
-"""Compile the Triton kernels for sm_90 without a GPU (run by test_kernels_compile_for_hopper)."""
+"""Compile the Triton kernels for sm_90 without a GPU (run by test_kernels_compile_for_hopper).
+
+``python tests/compile_hopper.py --ptxas`` also prints what Triton's own ptxas makes of each
+variant (registers, stack, spill bytes): a register allocation gone wrong shows without a GPU."""
 
 import itertools
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
@@ -22,7 +31,9 @@ POINTERS = {
         for n in ("seq_offsets", "chunk_offsets", "chunk_seq", "checkpoint_offsets", "cu_seqlens", "seq_order")
     },
     **{n: "*i32" for n in ("indices", "accepted")},
+    "far": "*i8",
 }
+PTXAS_STATS = "--ptxas" in sys.argv
 
 
 def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores: bool = True) -> None:
@@ -37,15 +48,36 @@ def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores:
         options={"num_warps": num_warps, "num_stages": 2},
     )
     assert not tensor_cores or "mma" in compiled.asm["ptx"], "no tensor-core instruction in the PTX"
-    print("compiled", kernel.__name__, consts)
+    print("compiled", kernel.__name__, f"{num_warps} warps", consts)
+    if PTXAS_STATS:
+        print("   ", ptxas_stats(compiled.asm["ptx"]))
 
 
-for gate, l2 in itertools.product((0, 1, 2), (False, True)):
+def ptxas_stats(ptx: str) -> str:
+    """Registers, stack and spill bytes that Triton's own ptxas reports for ``ptx`` (sm_90a)."""
+    try:
+        ptxas = get_ptxas(90).path
+    except TypeError:  # Triton before 3.9 takes no architecture
+        ptxas = get_ptxas().path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(src), "-o", str(src.with_suffix(".o"))],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", res.stderr).group(1)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    return f"registers {regs}, stack {frame.group(1)} B, spill stores {frame.group(2)} B, loads {frame.group(3)} B"
+
+
+# every gate with and without l2norm in the first launch; the second launch (prepare.FAR_LAUNCHES)
+# of the gates that have one
+for gate, l2, pairwise in [*((g, l2, False) for g, l2 in itertools.product((0, 1, 2), (False, True))),
+                           (0, True, True), (2, True, True)]:  # fmt: skip
     build(
         prepare_chunks_kernel,
         {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32"},
         dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=l2,
-             BETA_SIGMOID=True, SAFE=gate == 1, DOT_PRECISION="tf32"),
+             BETA_SIGMOID=True, SAFE=gate == 1, DOT_PRECISION="tf32", PAIRWISE=pairwise),
     )  # fmt: skip
 for mixed, (BV, num_warps) in itertools.product((False, True), ((16, 1), (32, 2), (64, 4))):
     build(
@@ -72,12 +104,13 @@ for BV, num_warps in ((32, 8), (64, 4)):
     )  # fmt: skip
 # float32 products on the CUDA cores (16 x 16 results, exact; a few % of the backward's time)
 build(chunk_du_grads_kernel, {"HV": "i32", "V": "i32"}, dict(BV=64), 4, tensor_cores=False)
-for gate in (0, 1, 2):
+# the safe lower-bound gate in one launch; the others in two (prepare.FAR_LAUNCHES)
+for gate, pairwise in ((0, False), (0, True), (1, False), (2, False), (2, True)):
     build(
         chunk_input_grads_kernel,
         {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32"},
         dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
-             SAFE=gate == 1, DOT_PRECISION="tf32"),
+             SAFE=gate == 1, DOT_PRECISION="tf32", PAIRWISE=pairwise),
         8,
     )  # fmt: skip
 # the chunk tables (integer work: no tensor cores)

@@ -131,6 +131,16 @@ def test_triton_gradients_steep_decay(gate):
     assert_gradients_close(gradients(case, "triton"), fp64_gradients(case), FP32_BAR)
 
 
+@pytest.mark.parametrize("gate, value", [("precomputed", -100.0), ("softplus", 100.0)])
+def test_triton_gradients_one_far_head_of_a_group(gate, value):
+    """One chunk of one value head past the factored form's range, its q/k head shared with a
+    head that is not: that program's dq and dk sum both heads and come from the pairwise launch
+    (prepare.FAR_LAUNCHES), every other program from the first."""
+    case = make_case(T=64, H=1, HV=2, K=16, V=16, gate=gate, device=DEVICE, seed=54)
+    case.g[0, 21, 1, :8] = value
+    assert_gradients_close(gradients(case, "triton"), fp64_gradients(case), FP32_BAR)
+
+
 def test_triton_gradients_bfloat16_states():
     """A bf16 initial state gets a bf16 gradient; a bf16 final state passes its gradient on."""
     case = make_case(seq_lens=[20, 7], H=2, K=16, V=16, state_v_first=True, device=DEVICE, seed=6)

@@ -37,6 +37,8 @@ COPY_TBPS_FALLBACK = 4.27
 
 
 def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple, dict]:
+    """Random bf16 inputs of ``case`` (seq_lens or batch x T, H; gate "lower_bound", the default,
+    or "softplus", the gate of Kimi Linear and of fla's chunk_kda without safe_gate)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H = case["H"]
     if "seq_lens" in case:
@@ -66,6 +68,8 @@ def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple,
         A_log=torch.rand(H, generator=gen, device=device),
         dt_bias=torch.rand(H * D, generator=gen, device=device),
     )
+    if case.get("gate", "lower_bound") == "softplus":
+        del kwargs["safe_gate"], kwargs["lower_bound"]
     return tensors, kwargs
 
 
@@ -357,11 +361,14 @@ def write_report(report: dict, path: Path, table, draw) -> None:
 
 
 # Training (forward + backward): bf16, lower-bound gate, h0, a gradient into the final state too.
+# The last case takes the softplus gate instead (Kimi Linear's): the kernels' unsafe-gate
+# variants, with the pairwise path in a second launch (prepare.FAR_LAUNCHES).
 TRAIN_CASES = [
     {"name": "1x8192 H32", "seq_lens": [8192], "H": 32},
     {"name": "1x8192 H64", "seq_lens": [8192], "H": 64},
     {"name": "1x8192 H96", "seq_lens": [8192], "H": 96},
     {"name": "varlen 4x4096 H32", "seq_lens": [4096] * 4, "H": 32},
+    {"name": "1x8192 H32 softplus", "seq_lens": [8192], "H": 32, "gate": "softplus"},
 ]
 TRAIN_TARGET = 0.8  # issue 11: fwd+bwd time <= 0.8x fla's (moonshot 0.6x), peak extra memory <= fla's
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -440,8 +447,9 @@ def train_main(args) -> int:
     report = {
         "gpu": props.name, "date": date, "versions": versions(),
         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms, grads set to None each call)",
-        "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5 with A_log, dt_bias; l2norm and beta sigmoid "
-                  "fused; fp32 h0 [N,H,V,K]; loss = <o, do> + <final_state, dht>; every input requires grad",
+        "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5 (softplus where the case says) with A_log, "
+                  "dt_bias; l2norm and beta sigmoid fused; fp32 h0 [N,H,V,K]; loss = <o, do> + <final_state, dht>; "
+                  "every input requires grad",
         "grad_accuracy_vs_fp64": train_accuracy_rows(calls),
         "cases": [],
     }  # fmt: skip

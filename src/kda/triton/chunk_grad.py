@@ -46,6 +46,7 @@ from kda.tables import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN
 from kda.triton.common import autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
     EXP2_LIMIT,
+    FAR_LAUNCHES,
     HARD_RESET,
     _row,
     chunk_operands,
@@ -228,29 +229,39 @@ def chunk_du_grads_kernel(
 
 @triton.autotune(
     configs=autotune_configs([{}], warps=(8, 4, 16), stages=(1,)),
-    key=["BK", "GATE", "SAFE"],
+    key=["BK", "GATE", "SAFE", "PAIRWISE"],
 )
 @triton.jit
 def chunk_input_grads_kernel(
     q, k, g, beta, A_log, dt_bias,
     seq_offsets, chunk_offsets, chunk_seq,
     d_operands, d_squares, d_gamma_in,
-    dq, dk, dg, dbeta, dA_log_part, ddt_bias_part,
+    dq, dk, dg, dbeta, dA_log_part, ddt_bias_part, far,
     scale, lower_bound, beta_scale,
     H, HV, K,
     BK: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAIRWISE: tl.constexpr,
 ):  # fmt: skip
     """The prepare stage of one (chunk, q/k head), recomputed in float32 and run backwards for
     each value head that shares the q/k head, from the operand gradients of
-    :func:`chunk_state_grads_kernel`."""
+    :func:`chunk_state_grads_kernel`.
+
+    Without SAFE it runs as two launches (``prepare.FAR_LAUNCHES``). The first, without the pairwise
+    path (``PAIRWISE`` False), runs every program and writes ``far[chunk, q/k head]`` (int8: some
+    value head of the program has a row past the factored form's range or a reset). Such a
+    program's outputs are wrong; the second launch, with the pairwise path, runs those programs
+    again and overwrites every output they wrote. Its other programs read the flag and return."""
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     # Named, not `_`: the loop below assigns `_` a tensor, and Triton gives a variable one type.
     _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
     if t0 >= eos:
         return
+    if PAIRWISE:  # noqa: SIM102 (a constexpr and a tensor: no `and` between them in Triton)
+        if tl.load(far + i_c * H + i_h) == 0:
+            return
     rows = tl.arange(0, ROWS)
     rows_k = tl.arange(0, BK)
     tok = t0 + rows
@@ -265,6 +276,7 @@ def chunk_input_grads_kernel(
     b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
     dq_hat = tl.zeros([ROWS, BK], dtype=tl.float32)  # summed over the group's value heads
     dk_hat = tl.zeros([ROWS, BK], dtype=tl.float32)
+    program_far = tl.zeros([], dtype=tl.int32)  # some value head so far took the pairwise path
     for i_g in tl.range(0, group):
         i_hv = i_h * group + i_g
         ws = i_c * HV + i_hv
@@ -273,8 +285,10 @@ def chunk_input_grads_kernel(
             GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
         )  # fmt: skip
         G2, R, decay, to_end, whole, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
-            b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
+            b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION, PAIRWISE
         )
+        if not SAFE:
+            program_far = tl.maximum(program_far, any_far.to(tl.int32))
         # dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T; dO V^T and
         # dU V^T come from chunk_du_grads_kernel
         square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
@@ -297,7 +311,7 @@ def chunk_input_grads_kernel(
         d_M -= tl.dot(d_qd, tl.trans(b_w), input_precision=DOT_PRECISION)
         d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], d_M, 0.0), axis=1) * scale
         d_M = tl.where(rows[:, None] > rows[None, :], d_M, 0.0)
-        if SAFE:
+        if not PAIRWISE:
             dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
                                                         DOT_PRECISION)  # fmt: skip
         elif any_far:
@@ -346,6 +360,8 @@ def chunk_input_grads_kernel(
         dq_hat = q_rstd[:, None] * (dq_hat - b_q * tl.sum(b_q * dq_hat, axis=1)[:, None])
         dk_hat = k_rstd[:, None] * (dk_hat - b_k * tl.sum(b_k * dk_hat, axis=1)[:, None])
     io_qk = (tok[:, None] * H + i_h) * K + rows_k[None, :]
+    if not SAFE and not PAIRWISE:
+        tl.store(far + i_c * H + i_h, program_far.to(tl.int8))
     tl.store(dq + io_qk, dq_hat.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + io_qk, dk_hat.to(dk.dtype.element_ty), mask=mask)
 
@@ -375,14 +391,17 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
         d_squares, HV, p.V, BV=max(min(triton.next_power_of_2(p.V), DU_SLICE), DOT_MIN),
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    chunk_input_grads_kernel[(NC, p.H)](
-        p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
-        tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
-        d_operands, d_squares, d_gamma,
-        grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"),
-        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.H, HV, p.K, BK=BK,
-        GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=safe_gate_path(p),
-        DOT_PRECISION=dot_precision,
-    )  # fmt: skip
+    safe = safe_gate_path(p)
+    far = None if safe else p.q.new_empty(NC, p.H, dtype=torch.int8)  # written by the first launch
+    for pairwise in (False,) if safe else FAR_LAUNCHES:
+        chunk_input_grads_kernel[(NC, p.H)](
+            p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
+            tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
+            d_operands, d_squares, d_gamma,
+            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), far,
+            p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+            p.H, HV, p.K, BK=BK,
+            GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+            L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=safe,
+            DOT_PRECISION=dot_precision, PAIRWISE=pairwise,
+        )  # fmt: skip

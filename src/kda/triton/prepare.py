@@ -41,6 +41,13 @@ EXP2_LIMIT = tl.constexpr(abi.EXP2_LIMIT)  # 2^116 * |k| stays far below the flo
 L2NORM_EPS = tl.constexpr(abi.L2NORM_EPS)
 HARD_RESET = tl.constexpr(_HARD_RESET)  # a log-decay below it zeroes its channel (reference.HARD_RESET)
 GATE_FLOOR = tl.constexpr(_GATE_FLOOR)  # the softplus gate's floor (reference.GATE_FLOOR)
+# The launches of a kernel with a pairwise path where the gate can pass the factored form's range
+# (not SAFE): the first (PAIRWISE False) runs every program without that path and flags the ones
+# whose chunk needs it; the second runs only those, with it, and overwrites all they wrote. With
+# the rare path in every program, ptxas gave prepare_chunks_kernel about twice the registers
+# (250 against 126 at 4 warps), and chunk_grad's input-gradient kernel 64 registers and 8 KB of
+# spill code at 8 warps against 255 and under 1 KB (sm_90, Triton 3.6 and 3.9, 2026-12-01).
+FAR_LAUNCHES = (False, True)
 
 
 @triton.jit
@@ -116,15 +123,19 @@ def load_gate_beta(
 
 
 @triton.jit
-def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def chunk_operands(
+    b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRWISE: tl.constexpr = True
+):
     """Everything of one chunk that does not depend on the state (spec section 2), float32:
     ``(G2, R, decay, to_end, whole, Q~, K~, K^, Kinv, A_unit, M, T, inverse_beta, w, any_far)``
     with G2 the cumulative log-decay in base 2 without the hard-reset steps (g < HARD_RESET,
     ``reference.chunk_decays``), R the resets up to each row, ``decay = exp(G)``, ``to_end =
     exp(G_last - G)`` and ``whole = exp(G_last)`` (each 0 across a reset), ``Kinv = k exp(-G)``
     (clamped at 2^EXP2_LIMIT), ``A_unit`` the strictly lower A without beta, ``T = (I + A)^-1``
-    and ``any_far`` whether some row passed the limit or a reset (and took the pairwise
-    recompute)."""
+    and ``any_far`` whether some row passed the limit or a reset. Such rows take the pairwise
+    recompute where ``PAIRWISE`` compiles it in; without it (a launch that leaves those chunks to
+    another, ``FAR_LAUNCHES``) their operands are wrong and the caller must not use
+    them."""
     if SAFE:  # the lower-bound gate: g >= lb >= -5, never a reset
         G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
         R = tl.zeros(b_g.shape, dtype=tl.float32)
@@ -151,18 +162,19 @@ def chunk_operands(b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_P
         # tell from the ones before: it takes the pairwise path too.
         row_far = (tl.min(G2, axis=1) < -EXP2_LIMIT) | (tl.max(R, axis=1) > 0)
         any_far = tl.max(row_far.to(tl.int32), axis=0) > 0
-        if any_far:
-            A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-            M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
-            for j in tl.static_range(ROWS):
-                k_j = _row(b_k, rows, j)
-                d_ij = pair_decay(G2, R, rows, j)
-                a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
-                m_col = tl.sum(b_q * (k_j[None, :] * d_ij), axis=1) * scale
-                A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
-                M_pair = tl.where(rows[None, :] == j, m_col[:, None], M_pair)
-            b_A = tl.where(row_far[:, None], A_pair, b_A)
-            b_M = tl.where(row_far[:, None], M_pair, b_M)
+        if PAIRWISE:  # noqa: SIM102 (a constexpr and a tensor: no `and` between them in Triton)
+            if any_far:
+                A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+                M_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+                for j in tl.static_range(ROWS):
+                    k_j = _row(b_k, rows, j)
+                    d_ij = pair_decay(G2, R, rows, j)
+                    a_col = tl.sum(b_k * (k_j[None, :] * d_ij), axis=1)
+                    m_col = tl.sum(b_q * (k_j[None, :] * d_ij), axis=1) * scale
+                    A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
+                    M_pair = tl.where(rows[None, :] == j, m_col[:, None], M_pair)
+                b_A = tl.where(row_far[:, None], A_pair, b_A)
+                b_M = tl.where(row_far[:, None], M_pair, b_M)
 
     b_Au = tl.where(rows[:, None] > rows[None, :], b_A, 0.0)
     b_M = tl.where(rows[:, None] >= rows[None, :], b_M, 0.0)
@@ -191,12 +203,12 @@ def chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c):
     return n, bos, eos, c_first, bos + (i_c - c_first) * ROWS
 
 
-@triton.autotune(configs=autotune_configs([{}], warps=(2, 4, 8), stages=(1,)), key=["BK", "GATE", "SAFE"])
+@triton.autotune(configs=autotune_configs([{}], warps=(2, 4, 8), stages=(1,)), key=["BK", "GATE", "SAFE", "PAIRWISE"])
 @triton.jit
 def prepare_chunks_kernel(
     q, k, g, beta, A_log, dt_bias,
     seq_offsets, chunk_offsets, chunk_seq,
-    q_decayed, w, k_restored, gamma, inverse_beta, M,
+    q_decayed, w, k_restored, gamma, inverse_beta, M, far,
     scale, lower_bound, beta_scale,
     H, HV, K,  # runtime: one compiled kernel serves every head count and head size up to BK
     BK: tl.constexpr,
@@ -205,6 +217,7 @@ def prepare_chunks_kernel(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     SAFE: tl.constexpr,  # the gate provably stays inside EXP2_LIMIT: no fallback path
     DOT_PRECISION: tl.constexpr,
+    PAIRWISE: tl.constexpr,  # without SAFE: the second of FAR_LAUNCHES, for the chunks the first flagged
 ):  # fmt: skip
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
@@ -212,6 +225,9 @@ def prepare_chunks_kernel(
     _, _, eos, _, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
     if t0 >= eos:  # a slot past the real chunks (kda.tables): nothing reads its workspace
         return
+    if PAIRWISE:  # noqa: SIM102 (a constexpr and a tensor: no `and` between them in Triton)
+        if tl.load(far + i_c * HV + i_hv) == 0:
+            return
 
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BK)
@@ -223,9 +239,11 @@ def prepare_chunks_kernel(
         g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
         GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
     )  # fmt: skip
-    _, _, _, _, whole, b_qd, _, b_kr, _, _, b_M, _, b_ib, b_w, _ = chunk_operands(
-        b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION
+    _, _, _, _, whole, b_qd, _, b_kr, _, _, b_M, _, b_ib, b_w, any_far = chunk_operands(
+        b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION, PAIRWISE
     )
+    if not SAFE and not PAIRWISE:  # this chunk's operands are wrong if any_far: the second launch rewrites them
+        tl.store(far + i_c * HV + i_hv, any_far.to(tl.int8))
 
     # Workspace: [NC, HV, 16, BK] operands, [NC, HV, 16, 16] matrices, [NC, HV, BK] gamma.
     tile = (i_c * HV + i_hv) * ROWS * BK + rows[:, None] * BK + cols[None, :]
@@ -253,15 +271,17 @@ def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) 
     if NC == 0:
         return ws
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    prepare_chunks_kernel[(NC, HV)](
-        p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
-        tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
-        ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
-        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.H, HV, p.K, BK=BK,
-        GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
-        L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid,
-        SAFE=safe_gate_path(p),
-        DOT_PRECISION=dot_precision,
-    )  # fmt: skip
+    safe = safe_gate_path(p)
+    far = None if safe else torch.empty(NC, HV, dtype=torch.int8, device=dev)  # written by the first launch
+    for pairwise in (False,) if safe else FAR_LAUNCHES:
+        prepare_chunks_kernel[(NC, HV)](
+            p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
+            tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
+            ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"], far,
+            p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+            p.H, HV, p.K, BK=BK,
+            GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
+            L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid,
+            SAFE=safe, DOT_PRECISION=dot_precision, PAIRWISE=pairwise,
+        )  # fmt: skip
     return ws
