@@ -213,3 +213,37 @@ def test_cli_compare_sets_the_interpreter_itself():
                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| triton |" in res.stdout, res.stdout
+
+
+def test_device_guard_switches_only_when_another_device_is_current(monkeypatch):
+    """Triton launches on torch's current device: kda makes the inputs' device current around
+    its launches (dispatch.on_device_of), and skips the switch when it already is."""
+    monkeypatch.setattr(dispatch, "_current_device", lambda: 0)
+    assert dispatch.on_device(0) is dispatch._STAY  # already current: nothing to switch (no CUDA needed)
+    assert isinstance(dispatch.on_device(1), torch.cuda.device)
+    assert dispatch.on_device_of(torch.zeros(1)) is dispatch._STAY  # CPU tensors: no device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (inputs on the one that is not current)")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_inputs_on_a_device_that_is_not_current(backend):
+    """Inputs on cuda:1 while cuda:0 is current: the forward, the decode step and (Triton) the
+    backward run on cuda:1 and equal the same calls made with cuda:1 current, bit for bit."""
+    from helpers import cuda_ready, gradients
+
+    if backend == "cuda" and cuda_ready.args[0]:
+        pytest.skip(cuda_ready.kwargs["reason"])
+    case = make_case(seq_lens=[40, 70], H=2, K=128, V=128, gate="lower_bound", seed=61).to(torch.bfloat16, "cuda:1")
+    step = make_case(B=3, T=1, H=2, K=128, V=128, gate="lower_bound", seed=62).to(torch.bfloat16, "cuda:1")
+    step_kw = {n: x for n, x in step.kwargs().items() if n != "safe_gate"}  # not a fused_recurrent_kda argument
+    results = {}
+    for current in (0, 1):
+        with torch.cuda.device(current):
+            o, ht = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
+            od, hd = kda.fused_recurrent_kda(*step.tensors(), backend="triton", **step_kw)
+            grads = gradients(case, "triton") if backend == "triton" else {}
+            torch.cuda.synchronize(1)
+        results[current] = [o, ht, od, hd, *grads.values()]
+    for a, b in zip(*results.values()):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)

@@ -148,14 +148,6 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
 
 
-def test_driver_calls_switch_device_only_when_another_is_current(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward, "_current_device", None)
-    with forward.on_device(0):  # already current: nothing to switch (and no CUDA needed)
-        pass
-    assert isinstance(forward.on_device(1), torch.cuda.device)
-
-
 def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, monkeypatch):
     """Launches happen in the calling thread's current context: a thread that has none (it
     only met torch's caches) makes the device's primary context current, once per thread."""

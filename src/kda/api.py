@@ -256,9 +256,10 @@ def _scatter_states(pool: torch.Tensor, indices: torch.Tensor, states: torch.Ten
 
     slot = pool[0].numel()
     if indices.shape[0] and slot:
-        scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
-            states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
-        )
+        with dispatch.on_device_of(pool):
+            scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
+                states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
+            )
 
 
 def checked_problem(fn, *args, **kwargs) -> validation.Problem:

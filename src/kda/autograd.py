@@ -70,16 +70,17 @@ def chunk_fwd(
     p = _problem(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, lower_bound,
                  output_final_state, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate,
                  state_v_first, final_state_dtype)  # fmt: skip
-    if save_checkpoints:
-        o, ht, checkpoints = train_forward(p)
-    elif use_cuda and (why := _cuda_misaligned(p)) is None:
-        from kda.cuda.forward import chunk_forward as cuda_chunk_forward
+    with dispatch.on_device_of(q):  # Triton launches on the current device, not the tensors'
+        if save_checkpoints:
+            o, ht, checkpoints = train_forward(p)
+        elif use_cuda and (why := _cuda_misaligned(p)) is None:
+            from kda.cuda.forward import chunk_forward as cuda_chunk_forward
 
-        (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
-    else:
-        if use_cuda:  # the address test dynamo could not trace (kda.cuda.CudaBackend.rejects)
-            dispatch.note(f"cuda refused under torch.compile: {why}; Triton runs it")
-        (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
+            (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
+        else:
+            if use_cuda:  # the address test dynamo could not trace (kda.cuda.CudaBackend.rejects)
+                dispatch.note(f"cuda refused under torch.compile: {why}; Triton runs it")
+            (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     return o, (q.new_empty(0, dtype=final_state_dtype) if ht is None else ht), checkpoints
 
 
@@ -124,7 +125,8 @@ def chunk_bwd(
                  state_v_first, final_state_dtype)  # fmt: skip
     dispatch.log_once("chunk_kda backward -> triton")
     dispatch.note("chunk_kda backward -> triton")
-    grads = backward(p, do, dht, checkpoints)
+    with dispatch.on_device_of(q):  # autograd's device threads set it too; a direct call may not
+        grads = backward(p, do, dht, checkpoints)
     return (
         grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"],  # outputs may not alias: one empty each
         *(q.new_empty(0) if grads.get(name) is None else grads[name] for name in ("A_log", "dt_bias", "initial_state")),

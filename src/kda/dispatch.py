@@ -90,6 +90,28 @@ def prefers_decode(p: Problem) -> bool:
     return p.longest <= limit
 
 
+# What torch.cuda.current_device returns once CUDA is initialised (as it is with CUDA inputs),
+# without its initialisation check: 0.1 us a call less. Absent from CPU-only builds.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_STAY = contextlib.nullcontext()  # holds nothing: one serves every call and thread
+
+
+def on_device(device_index: int) -> contextlib.AbstractContextManager:
+    """Make ``device_index`` torch's current device: Triton launches on the current device's
+    current stream, and the CUDA path's driver calls use its primary context. When it already
+    is, torch.cuda.device would not switch anything either (torch skips cudaSetDevice for the
+    current device); skipping it saves its Python cost."""
+    current = torch.cuda.current_device() if _current_device is None else _current_device()
+    if current == device_index:
+        return _STAY
+    return torch.cuda.device(device_index)
+
+
+def on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """:func:`on_device` for the GPU that holds ``x``; nothing for a CPU tensor."""
+    return on_device(x.get_device()) if x.is_cuda else _STAY
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKEND_MODULES:
         raise ValueError(f"`backend` must be one of 'auto', {', '.join(map(repr, BACKEND_MODULES))}; got {name!r}")

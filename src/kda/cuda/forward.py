@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
 import kda.cuda as switches
 from kda.cuda import loader
-from kda.dispatch import note
+from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
 from kda.validation import Problem
 
@@ -93,9 +92,6 @@ FLAG_HT_BFLOAT16 = loader.FLAGS["ht_bfloat16"]
 # The private accessor torch's inductor launches with (get_raw_stream): the raw handle without
 # building a torch.cuda.Stream object. Absent from CPU-only builds.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-# What torch.cuda.current_device returns once CUDA is initialised (as it is with CUDA inputs),
-# without its initialisation check: 0.1 us a call less. Absent from CPU-only builds.
-_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def current_stream(device_index: int) -> int:
@@ -104,19 +100,6 @@ def current_stream(device_index: int) -> int:
     if _current_raw_stream is not None:
         return _current_raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
-
-
-def on_device(device_index: int) -> contextlib.AbstractContextManager:
-    """Make ``device_index`` torch's current device for the driver calls (its primary context
-    is torch's). When it already is, torch.cuda.device would not switch anything either
-    (torch skips cudaSetDevice for the current device); skipping it saves its Python cost."""
-    current = torch.cuda.current_device() if _current_device is None else _current_device()
-    if current == device_index:
-        return _STAY  # a nullcontext holds nothing: one serves every call and thread
-    return torch.cuda.device(device_index)
-
-
-_STAY = contextlib.nullcontext()
 
 
 def stream_capturing(device_index: int) -> bool:

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import note, prefers_decode
+from kda.dispatch import note, on_device_of, prefers_decode
 from kda.tables import chunk_tables
 from kda.triton.common import interpreter_fault, interpreting
 from kda.triton.prepare import prepare_chunks
@@ -101,7 +101,8 @@ class TritonBackend:
         if p.pool is not None or prefers_decode(p):  # one launch, no tables (a pool: in place)
             from kda.triton.decode import decode
 
-            o, ht = decode(p)
+            with on_device_of(p.q):  # Triton launches on the current device, not the tensors'
+                o, ht = decode(p)
             note("triton:pooled_decode" if p.pool is not None else "triton:decode")
             return o, ht
         if p.requires_grad or torch.compiler.is_compiling():
@@ -109,7 +110,8 @@ class TritonBackend:
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p)
-        return chunk_forward(p)
+        with on_device_of(p.q):
+            return chunk_forward(p)
 
 
 BACKEND = TritonBackend()
