@@ -17,7 +17,11 @@ settings.register_profile(
 # On the GPU each example compiles what it has not met (Triton, without autotuning): 12 examples
 # keep a run of the whole suite within a few minutes of a lent machine (20 took the fp32 gradient
 # test to 290 s of its 300, 2026-12-01).
-settings.register_profile("gpu", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Not derandomized: each GPU run tries new examples. A failure prints its arguments (and a blob
+# for @reproduce_failure); pin it with @example, as test_backward does.
+settings.register_profile(
+    "gpu", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if torch.cuda.is_available() else "ci"))
 
 # Under pytest-xdist each worker would start torch with one CPU thread per core: 14 workers on the

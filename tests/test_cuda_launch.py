@@ -10,6 +10,7 @@ import torch
 
 import kda
 from helpers import make_case
+from kda import dispatch
 from kda.api import checked_problem
 from kda.cuda import forward, loader
 from kda.tables import chunk_tables
@@ -108,7 +109,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     kernels = load_kernels(libcuda.launch)
     monkeypatch.setattr(loader, "kernels", lambda: kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward, "_current_device", None)
+    monkeypatch.setattr(dispatch, "_current_device", None)
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     built = []  # varlen tables are built per call: keep the ones the launch was given
@@ -184,7 +185,7 @@ def test_small_workspaces_are_kept_per_stream_and_large_ones_allocated_per_call(
     kernels = load_kernels(libcuda.launch)
     monkeypatch.setattr(loader, "kernels", lambda: kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(forward, "_current_device", None)
+    monkeypatch.setattr(dispatch, "_current_device", None)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     stream = {"handle": 0x5000}
     monkeypatch.setattr(forward, "_current_raw_stream", lambda index: stream["handle"])

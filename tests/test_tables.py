@@ -293,3 +293,16 @@ def test_gpu_varlen_prefill_replays_in_a_cuda_graph_with_new_lengths(backend):
         graph.replay()
         o_eager, ht_eager = kda.chunk_kda(*c.tensors(), backend=backend, **c.kwargs())
         assert torch.equal(o, o_eager) and torch.equal(ht, ht_eager), c.cu_seqlens.tolist()
+
+
+def test_host_integer_helpers_match_tritons():
+    """kda.intmath stands in for triton.cdiv and triton.next_power_of_2 on the host (theirs cost
+    microseconds a call): the same values wherever kda calls them (sizes >= 1)."""
+    import triton
+
+    from kda.intmath import cdiv, next_power_of_2
+
+    for n in [*range(1, 300), 1023, 1024, 1025, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)

@@ -7,6 +7,7 @@ import inspect
 import torch
 
 from kda import dispatch, segments, validation
+from kda.intmath import cdiv
 
 
 def chunk_kda(
@@ -250,14 +251,13 @@ def _scatter_states(pool: torch.Tensor, indices: torch.Tensor, states: torch.Ten
         ok = (indices >= 0) & (indices < P)
         pool[indices[ok].long()] = states[ok].to(pool.dtype)
         return
-    import triton
 
     from kda.triton.decode import SCATTER_BLOCK, scatter_states_kernel
 
     slot = pool[0].numel()
     if indices.shape[0] and slot:
         with dispatch.on_device_of(pool):
-            scatter_states_kernel[(indices.shape[0], triton.cdiv(slot, SCATTER_BLOCK))](
+            scatter_states_kernel[(indices.shape[0], cdiv(slot, SCATTER_BLOCK))](
                 states.contiguous(), pool, indices, P, SLOT=slot, BLOCK=SCATTER_BLOCK
             )
 

@@ -82,6 +82,8 @@ def prefers_decode(p: Problem) -> bool:
     if p.requires_grad or torch.compiler.is_compiling():
         return False
     limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
+    if p.N * limit < p.T:  # the mean passes the limit, so does the longest: no need to find it
+        return False
     if p.lengths_unchecked:
         # Lengths never copied to the host (validation.CHECK_CU_SEQLENS): route by the mean,
         # which a decode step (a few tokens for every sequence) is judged by as well.

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kda import abi
+from kda.intmath import cdiv, next_power_of_2
 
 CHUNK = abi.CHUNK  # tokens per chunk
 _ROWS = tl.constexpr(CHUNK)  # the same, as the kernels may read it
@@ -227,7 +228,7 @@ def build_tables(p) -> ChunkTables:
     if N and p.q.is_cpu and not _interpreting():
         _host_tables(p, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets)
     elif N:
-        build_tables_kernel[(1 + triton.cdiv(slots, BLOCK) + triton.cdiv(N, BLOCK),)](
+        build_tables_kernel[(1 + cdiv(slots, BLOCK) + cdiv(N, BLOCK),)](
             p.cu_seqlens if varlen else packed, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets,
             N, p.T, 0 if varlen else p.T, p.H, slots,
             VARLEN=varlen, RANK=varlen and N <= ORDER_MAX, CHECKPOINT=CHECKPOINT_CHUNKS, BLOCK=BLOCK,
@@ -241,7 +242,7 @@ def build_tables(p) -> ChunkTables:
         seq_order=seq_order,
         checkpoint_offsets=checkpoint_offsets,
         num_chunks=slots,
-        BK=max(triton.next_power_of_2(p.K), DOT_MIN),
+        BK=max(next_power_of_2(p.K), DOT_MIN),
     )
 
 

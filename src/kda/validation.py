@@ -92,11 +92,13 @@ class Problem:
 
     @property
     def longest(self) -> int:
-        """Tokens in the longest sequence (host arithmetic on the CPU copy of cu_seqlens; without
-        one, varlen calls answer T, the most a sequence can have)."""
-        if self.cu_seqlens_cpu is None:
+        """Tokens in the longest sequence (from the checked offsets as Python ints; without them,
+        varlen calls answer T, the most a sequence can have). Python arithmetic: the three torch
+        ops on the host copy it replaced took 33 us of a 40 us budget (CPU, 2026-12-01)."""
+        values = self.cu_seqlens_values
+        if values is None:
             return self.T
-        return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max()) if self.N else 0
+        return max(map(operator.sub, values[1:], values[:-1]), default=0)
 
     @property
     def state_dtype(self) -> torch.dtype:

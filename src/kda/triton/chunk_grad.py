@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.intmath import next_power_of_2
 from kda.tables import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN
 from kda.triton.common import autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
@@ -388,7 +389,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     )  # fmt: skip
     chunk_du_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"], d_u, grads["v"],
-        d_squares, HV, p.V, BV=max(min(triton.next_power_of_2(p.V), DU_SLICE), DOT_MIN),
+        d_squares, HV, p.V, BV=max(min(next_power_of_2(p.V), DU_SLICE), DOT_MIN),
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     safe = safe_gate_path(p)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.intmath import cdiv, next_power_of_2
 from kda.triton.prepare import L2NORM_EPS, _gate
 
 # Launch shapes (see decode_launch): the state slice [BV, K] of a program sits in float32 registers.
@@ -140,10 +141,10 @@ def decode_launch(p) -> tuple[int, int]:
     against 0.303 at 32 columns and 4 warps) and bfloat16 pools' (0.207 / 0.247); float32
     pools, whose programs first load their slot index, keep 32 x 4 (0.318 / 0.347). A
     small grid (N=1) takes 32 x 4 (8.3 us; 1 warp: 9.3)."""
-    many = p.N * p.HV * triton.cdiv(p.V, DECODE_BV) >= DECODE_MANY_PROGRAMS
+    many = p.N * p.HV * cdiv(p.V, DECODE_BV) >= DECODE_MANY_PROGRAMS
     if many and not (p.pool is not None and p.pool.dtype == torch.float32):
-        return min(DECODE_BV_STREAMING, triton.next_power_of_2(p.V)), 1
-    return min(DECODE_BV, triton.next_power_of_2(p.V)), DECODE_WARPS
+        return min(DECODE_BV_STREAMING, next_power_of_2(p.V)), 1
+    return min(DECODE_BV, next_power_of_2(p.V)), DECODE_WARPS
 
 
 def decode(
@@ -170,11 +171,11 @@ def decode(
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     BV, warps = decode_launch(p)
     BV, warps = block_v or BV, num_warps or warps
-    decode_kernel[(triton.cdiv(p.V, BV) * p.N * p.HV,)](
+    decode_kernel[(cdiv(p.V, BV) * p.N * p.HV,)](
         p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, h0, ht, idx, p.accepted, p.cu_seqlens,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
         p.N if p.pool is None else p.pool.shape[0], p.T, p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
-        BK=triton.next_power_of_2(p.K), BV=BV,
+        BK=next_power_of_2(p.K), BV=BV,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
         VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.intmath import cdiv, next_power_of_2
 from kda.tables import CHECKPOINT_CHUNKS, CHUNK
 from kda.triton.common import autotune_configs, interpreting
 
@@ -151,12 +152,12 @@ def recurrence_v_split(p, tables, ws: dict[str, torch.Tensor], o: torch.Tensor, 
     """Launch the recurrence over every (V slice, sequence, value head); writes o and ht, and
     with ``checkpoints`` ([rows, HV, V, K] float32) the training forward's state checkpoints."""
     N, HV = tables.seq_offsets.shape[0] - 1, p.HV
-    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
+    grid = lambda meta: (cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
     recurrence_v_split_kernel[grid](
         p.v, o, p.initial_state, ht, checkpoints,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
         tables.seq_offsets, tables.chunk_offsets, tables.checkpoint_offsets,
-        min(triton.next_power_of_2(N * HV), 1024),
+        min(next_power_of_2(N * HV), 1024),
         HV, p.K, p.V, BK=tables.BK,
         HAS_H0=p.initial_state is not None, STORE_HT=ht is not None, STATE_V_FIRST=p.state_v_first,
         CHECKPOINT=0 if checkpoints is None else CHECKPOINT_CHUNKS,

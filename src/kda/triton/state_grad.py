@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.intmath import cdiv, next_power_of_2
 from kda.tables import CHUNK
 from kda.triton.common import autotune_configs, interpreting
 from kda.triton.recurrence import _fits_in_registers, _mm, state_slice
@@ -91,12 +92,12 @@ def state_grad_chain(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, d
     ([NC, HV, V, K]: the gradient of the state leaving each chunk) and ``dh0`` (float32, the
     initial state's layout) when given."""
     N, HV = tables.seq_offsets.shape[0] - 1, p.HV
-    grid = lambda meta: (triton.cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
+    grid = lambda meta: (cdiv(p.V, meta["BV"]) * N * HV,)  # noqa: E731
     state_grad_chain_kernel[grid](
         do, dht, dh0, dstates,
         ws["q_decayed"], ws["w"], ws["k_restored"], ws["gamma"], ws["M"],
         tables.seq_offsets, tables.chunk_offsets,
-        min(triton.next_power_of_2(N * HV), 1024),
+        min(next_power_of_2(N * HV), 1024),
         HV, p.K, p.V, BK=tables.BK,
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, STATE_V_FIRST=p.state_v_first,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(),
