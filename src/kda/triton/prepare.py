@@ -44,9 +44,9 @@ GATE_FLOOR = tl.constexpr(_GATE_FLOOR)  # the softplus gate's floor (reference.G
 # The launches of a kernel with a pairwise path where the gate can pass the factored form's range
 # (not SAFE): the first (PAIRWISE False) runs every program without that path and flags the ones
 # whose chunk needs it; the second runs only those, with it, and overwrites all they wrote. With
-# the rare path in every program, ptxas gave prepare_chunks_kernel about twice the registers
-# (250 against 126 at 4 warps), and chunk_grad's input-gradient kernel 64 registers and 8 KB of
-# spill code at 8 warps against 255 and under 1 KB (sm_90, Triton 3.6 and 3.9, 2026-12-01).
+# the rare path in every program, ptxas gave prepare_chunks_kernel 248 registers at 4 warps (168
+# without it, 143 for the safe gate) and chunk_grad's input-gradient kernel 64 registers and 7.9 KB
+# of spill code at 8 warps (255 and 0.4 KB without it); sm_90, Triton 3.6, 2026-12-01, NOTES.md.
 FAR_LAUNCHES = (False, True)
 
 
