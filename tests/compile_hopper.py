@@ -1,7 +1,8 @@
 """Compile the Triton kernels for sm_90 without a GPU (run by test_kernels_compile_for_hopper).
 
 ``python tests/compile_hopper.py --ptxas`` also prints what Triton's own ptxas makes of each
-variant (registers, stack, spill bytes): a register allocation gone wrong shows without a GPU.
+variant (registers, stack, spill bytes; ``--ptxas=NAME``: kernel NAME's only): a register
+allocation gone wrong shows without a GPU.
 Arguments are specialised as a launch with 16-byte-aligned tensors and sizes that are multiples
 of 16 would specialise them."""
 
@@ -35,7 +36,8 @@ POINTERS = {
     **{n: "*i32" for n in ("indices", "accepted")},
     "far": "*i8",
 }
-PTXAS_STATS = "--ptxas" in sys.argv
+# --ptxas: every variant's figures; --ptxas=NAME: those of the kernel NAME only
+PTXAS_STATS = next((a.partition("=")[2] or "*" for a in sys.argv if a.split("=")[0] == "--ptxas"), None)
 
 
 def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores: bool = True) -> None:
@@ -56,7 +58,7 @@ def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores:
     )
     assert not tensor_cores or "mma" in compiled.asm["ptx"], "no tensor-core instruction in the PTX"
     print("compiled", kernel.__name__, f"{num_warps} warps", consts)
-    if PTXAS_STATS:
+    if PTXAS_STATS in ("*", kernel.__name__):
         print("   ", ptxas_stats(compiled.asm["ptx"]))
 
 
@@ -64,7 +66,7 @@ def ptxas_stats(ptx: str) -> str:
     """Registers, stack and spill bytes that Triton's own ptxas reports for ``ptx`` (sm_90a)."""
     try:
         ptxas = get_ptxas(90).path
-    except TypeError:  # Triton before 3.9 takes no architecture
+    except TypeError:  # older Triton takes no architecture
         ptxas = get_ptxas().path
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"

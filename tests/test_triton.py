@@ -4,6 +4,7 @@ writes, the fast path really running. Small shapes under the interpreter on CPU;
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -243,10 +244,23 @@ def test_kernels_compile_for_hopper():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_hopper.py")
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, str(script), "--ptxas=chunk_input_grads_kernel"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     # 8 prepare, 6 recurrence, 4 state-gradient chain, 2 + 1 + 5 local-gradient, 3 table, 2 decode variants
     assert res.stdout.count("compiled") == 31, res.stdout
+    # The unsafe gates' first launch (prepare.FAR_LAUNCHES) must compile like the safe gate's
+    # kernel: with the pairwise path inline, ptxas gave it 64 registers and 8 KB of spill code.
+    lines = res.stdout.splitlines()
+    figures = {}
+    for line, stats in zip(lines, lines[1:]):
+        if line.startswith("compiled chunk_input_grads_kernel") and "'PAIRWISE': False" in line:
+            regs, spills = (int(x) for x in re.search(r"registers (\d+), .* spill stores (\d+) B", stats).groups())
+            figures["safe" if "'SAFE': True" in line else line] = regs, spills
+    safe_regs, safe_spills = figures.pop("safe")
+    assert len(figures) == 2, res.stdout
+    for line, (regs, spills) in figures.items():
+        assert regs >= safe_regs - 32 and spills <= 2 * safe_spills + 512, (line, regs, spills, safe_regs, safe_spills)
 
 
 def test_autotune_prunes_configs_that_would_spill():
