@@ -84,12 +84,9 @@ def prefers_decode(p: Problem) -> bool:
     limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
     if p.N * limit < p.T:  # the mean passes the limit, so does the longest: no need to find it
         return False
-    if p.lengths_unchecked:
-        # Lengths never copied to the host (validation.CHECK_CU_SEQLENS): route by the mean,
-        # which a decode step (a few tokens for every sequence) is judged by as well.
-        mean = p.T / max(p.N, 1)
-        return mean <= limit
-    return p.longest <= limit
+    # Lengths never copied to the host (validation.CHECK_CU_SEQLENS) are routed by the mean,
+    # which a decode step (a few tokens for every sequence) is judged by as well: it is in range.
+    return p.lengths_unchecked or p.longest <= limit
 
 
 # What torch.cuda.current_device returns once CUDA is initialised (as it is with CUDA inputs),

@@ -106,7 +106,8 @@ class TritonBackend:
             note("triton:pooled_decode" if p.pool is not None else "triton:decode")
             return o, ht
         if p.requires_grad or torch.compiler.is_compiling():
-            # Through the custom op: autograd gets its backward, torch.compile an opaque node.
+            # Through the custom op: autograd gets its backward, torch.compile an opaque node. The
+            # op makes the device current itself; dynamo would trace a guard here.
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p)

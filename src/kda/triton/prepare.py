@@ -124,7 +124,7 @@ def load_gate_beta(
 
 @triton.jit
 def chunk_operands(
-    b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRWISE: tl.constexpr = True
+    b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRWISE: tl.constexpr
 ):
     """Everything of one chunk that does not depend on the state (spec section 2), float32:
     ``(G2, R, decay, to_end, whole, Q~, K~, K^, Kinv, A_unit, M, T, inverse_beta, w, any_far)``
