@@ -19,7 +19,7 @@ trap save_autotune EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
-# steps: all, or one of cuda / quick / bench / train / trainprof / decode / persist / long / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / bench / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -124,10 +124,6 @@ if [[ $step == all || $step == *variants* ]]; then
 fi
 if [[ $step == *long* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
-fi
-if [[ $step == *persist* ]]; then  # the decode kernel's persistent launch against its default (graph replay)
-  OUT=$OUT timeout ${PERSIST_TIMEOUT:-150} python3 benchmarks/decode_persistent.py > "$OUT/decode-persistent.log" 2>&1
-  grep -E "persistent|wrote|Error" "$OUT/decode-persistent.log" | cut -c1-400
 fi
 if [[ $step == *decode* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"

@@ -6,8 +6,6 @@ tests/test_pools.py."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import example, given
@@ -17,7 +15,6 @@ import kda
 from helpers import DEVICE, assert_close_fp64, fp64_reference, make_case
 from kda import dispatch
 from kda.api import checked_problem
-from kda.triton import decode as decode_module
 from kda.triton.decode import decode
 
 # float32 inputs: the loop in float32 against float64. 16-bit inputs: their rounding, as the
@@ -47,7 +44,7 @@ def decode_call(case, backend="triton", fn=kda.fused_recurrent_kda, **over):
     neg_eigval=st.booleans(),
     state=st.sampled_from(["none", "float32", "bfloat16"]),
     final_bf16=st.booleans(),
-    launch=st.sampled_from([None, (16, 1), (8, 2), (8, 1, None, 1), (16, 2, None, 3)]),
+    launch=st.sampled_from([None, (16, 1), (8, 2)]),
     seed=st.integers(0, 9999),
 )
 @example(lens=[64, 0, 1], batch=1, T=1, dtype=torch.float32, gate="softplus", K=20, V=40, group=2, layout=True,
@@ -56,8 +53,7 @@ def test_decode_kernel_matches_the_fp64_token_loop(
     lens, batch, T, dtype, gate, K, V, group, layout, l2norm, neg_eigval, state, final_bf16, launch, seed
 ):  # fmt: skip
     """The kernel itself (kda.triton.decode.decode), at its chosen launch shape or a forced
-    one (``launch``: V columns, warps, cache hints, persistent programs per SM; the SMs taken
-    as two, so that the persistent programs loop over several items on any device)."""
+    one (``launch``: V columns, warps)."""
     shape = dict(seq_lens=lens) if lens is not None else dict(B=batch, T=T)
     case = make_case(**shape, H=1, HV=group, K=K, V=V, dtype=dtype, gate=gate, state_v_first=layout,
                      with_state=state != "none", device=DEVICE, seed=seed, steep_steps=1)  # fmt: skip
@@ -68,8 +64,7 @@ def test_decode_kernel_matches_the_fp64_token_loop(
     kw = case.kwargs(allow_neg_eigval=neg_eigval, final_state_dtype=final_dtype)
     kw.pop("safe_gate", None)
     p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
-    with mock.patch.object(decode_module, "multiprocessors", lambda device: 2):
-        o, ht = decode(p, *(launch or ()))
+    o, ht = decode(p, *(launch or ()))
     assert o.dtype == dtype and ht.dtype == final_dtype
     o_ref, ht_ref = fp64_reference(case, allow_neg_eigval=neg_eigval)
     state_bar = max(BAR[dtype], 5e-3 if final_bf16 else 0.0)  # a bf16 final state: its own rounding

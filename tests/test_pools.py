@@ -12,31 +12,8 @@ import torch
 
 import kda
 from helpers import AUTO, DEVICE, make_case, rel
-from kda.triton import decode as decode_module
 
 BACKENDS = ("torch", AUTO)  # AUTO: Triton's decode kernel (by name on CPU, auto on a GPU)
-# and Triton's decode kernel in persistent programs: two, each looping over several items
-PERSISTENT = "persistent"
-
-
-@pytest.fixture
-def backend(request, monkeypatch):
-    """The backend a test names; PERSISTENT is AUTO with the decode kernel's persistent launch."""
-    if request.param != PERSISTENT:
-        return request.param
-    monkeypatch.setattr(decode_module, "DECODE_PROGRAMS_PER_SM", 1)
-    monkeypatch.setattr(decode_module, "multiprocessors", lambda device: 2)
-    monkeypatch.setitem(globals(), "EXPECT_PERSISTENT", True)
-    return AUTO
-
-
-EXPECT_PERSISTENT = False  # set while a test runs with the PERSISTENT backend
-
-
-def persistent() -> bool:
-    return EXPECT_PERSISTENT
-
-
 BAR = 1e-5  # float32 against the float64 token loop
 
 
@@ -70,7 +47,7 @@ def plain_decode(case, h0):
                                    backend="torch", **kw)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", (*BACKENDS, PERSISTENT), indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, index_dtype):
@@ -86,7 +63,6 @@ def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, inde
     assert out is pool
     if backend != "torch":
         assert "triton:pooled_decode" in events, events
-    assert ("triton:decode_persistent:2" in events) == persistent(), events
     o_ref, ht_ref = plain_decode(case, start_states(before, slots))
     assert rel(o, o_ref) <= BAR
     for n, s in enumerate(slots):
@@ -96,7 +72,7 @@ def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, inde
     assert torch.equal(pool[untouched], before[untouched]), "a slot not named changed"
 
 
-@pytest.mark.parametrize("backend", (*BACKENDS, PERSISTENT), indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_d_indices_with_accepted_tokens(backend):
     """Speculative decoding: sequence 0 (3 tokens) starts from idx[0, accepted - 1] = slot 0 and
     writes its states after tokens 0, 1, 2 to slots 4, 0, 6; sequence 1 (2 tokens) starts from
@@ -106,11 +82,9 @@ def test_two_d_indices_with_accepted_tokens(backend):
     before = pool.clone()
     idx = torch.tensor([[4, 0, 6, -1], [1, 3, -1, -1]], device=DEVICE)
     accepted = torch.tensor([2, 1], device=DEVICE)
-    with kda.record_dispatch() as events:
-        o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
-                                       ssm_state_indices=idx, num_accepted_tokens=accepted, backend=backend,
-                                       **decode_kwargs(case))  # fmt: skip
-    assert ("triton:decode_persistent:2" in events) == persistent(), events
+    o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                   ssm_state_indices=idx, num_accepted_tokens=accepted, backend=backend,
+                                   **decode_kwargs(case))  # fmt: skip
     o_ref, _ = plain_decode(case, start_states(before, [0, 1]))
     assert rel(o, o_ref) <= BAR
     # the state after each token, from plain decodes of the prefixes
@@ -123,7 +97,7 @@ def test_two_d_indices_with_accepted_tokens(backend):
     assert torch.equal(pool[[2, 5, 7]], before[[2, 5, 7]])
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_accepted_counts_outside_the_row_are_clamped_into_it(backend):
     """num_accepted_tokens 0 reads column 0, and 9 (S = 3) the last column: never another
     row of the indices (or memory before them)."""
@@ -139,7 +113,7 @@ def test_accepted_counts_outside_the_row_are_clamped_into_it(backend):
     assert rel(pool[2], ht_ref[0]) <= BAR and rel(pool[1], ht_ref[1]) <= BAR
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_then_decode_through_the_pool_equals_one_prefill(backend):
     """chunk_kda's final state, put in slot 3, then two decode steps through the pool: the same
     outputs and final state as one prefill of every token."""
@@ -208,7 +182,7 @@ def test_pools_have_no_backward_and_cuda_passes_them_on():
     assert BACKEND.rejects(p) == "state pools (the Triton decode kernel takes them)"
 
 
-@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_into_the_pool(backend):
     """chunk_kda(initial_state_indices=): sequence n starts from pool[idx[n]] and its final state
     goes back there; an empty sequence keeps its slot's state; padding (-1) and an index past

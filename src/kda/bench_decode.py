@@ -156,41 +156,6 @@ def sweep(N: int) -> dict:
     return out
 
 
-PERSISTENT_SEQUENCES = (32, 256)
-PERSISTENT_LAUNCHES = [(bv, w, per_sm) for bv in (8, 16) for w in (1, 2) for per_sm in (4, 8, 12)]
-
-
-def persistent_sweep() -> dict:
-    """The decode kernel's graph-replay time, one program per work item (the default launch)
-    against persistent programs (``decode.DECODE_PROGRAMS_PER_SM``: V columns, warps, programs
-    per SM), float32 and bfloat16 states, plain calls and pools."""
-    import kda
-    from kda.api import checked_problem
-    from kda.triton.decode import decode
-
-    out = {}
-    for state_dtype in (torch.float32, torch.bfloat16):
-        for mode in ("plain", "pool"):
-            for N in PERSISTENT_SEQUENCES:
-                t, kw = decode_inputs(N, state_dtype=state_dtype)
-                if mode == "pool":
-                    kw = {**kw, "inplace_final_state": True, "ssm_state_indices": kw_indices(N)}
-                else:
-                    kw = {**kw, "output_final_state": True, "final_state_dtype": state_dtype}
-                p = checked_problem(kda.fused_recurrent_kda, *t, **kw)
-                row = {"default": graph_ms(lambda p=p: decode(p))}
-                for bv, w, per_sm in PERSISTENT_LAUNCHES:
-                    row[f"BV{bv}-w{w}-p{per_sm}"] = graph_ms(
-                        lambda p=p, bv=bv, w=w, s=per_sm: decode(p, block_v=bv, num_warps=w, programs_per_sm=s)
-                    )
-                key = f"{str(state_dtype).removeprefix('torch.')} {mode} N={N}"
-                best = min((n for n in row if n != "default"), key=row.get)
-                out[key] = {**row, "best": best, "best_over_default": row[best] / row["default"]}
-                print("persistent", key, {n: round(x, 4) if isinstance(x, float) else x for n, x in out[key].items()},
-                      flush=True)  # fmt: skip
-    return out
-
-
 def layouts(N: int) -> dict:
     """kda's decode step (plain call, fp32, default launch, graph replay) with the state in
     fla's [N, H, K, V] layout and in [N, H, V, K] (``state_v_first``: a program's V rows

@@ -11,7 +11,6 @@ it to prove that a fast path really ran).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import logging
 import threading
@@ -110,12 +109,6 @@ def on_device(device_index: int) -> contextlib.AbstractContextManager:
 def on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """:func:`on_device` for the GPU that holds ``x``; nothing for a CPU tensor."""
     return on_device(x.get_device()) if x.is_cuda else _STAY
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of GPU ``device_index`` (launch shapes of both GPU backends)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def get_backend(name: str) -> Backend:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import kda.cuda as switches
 from kda.cuda import loader
-from kda.dispatch import note, on_device, sm_count
+from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
 from kda.validation import Problem
 
@@ -26,6 +28,11 @@ def recurrence_warps(pairs: int, sms: int) -> int:
     if warps not in ("1", "2", "4"):
         raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
     return int(warps)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def workspace_bytes(p: Problem, tables=None) -> int:

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.dispatch import note, sm_count
 from kda.intmath import cdiv, next_power_of_2
 from kda.triton.prepare import L2NORM_EPS, _gate
 
@@ -34,18 +33,6 @@ DECODE_MANY_PROGRAMS = 1024  # programs (at DECODE_BV columns) from which the on
 # slower at every launch shape measured (H200, 2026-12-01, run 15, fp32, N=32: 16 x 1 0.0432 ms,
 # with the hints 0.0511; N=256: 0.2832 / 0.3514; benchmarks/NOTES.md, decode).
 DECODE_STREAM = False
-# Persistent programs (at most this many per SM, each looping over work items and loading the
-# next item's slot and state slice before running the current one): 0, off, one program per
-# item. Not timed yet on a GPU (2026-12-01): `kda bench --decode` sweeps it.
-DECODE_PROGRAMS_PER_SM = 0
-INTERPRETER_MULTIPROCESSORS = 2  # the interpreter's "SMs": few programs, so its tests loop
-
-
-def multiprocessors(device: torch.device) -> int:
-    """SMs of ``device`` (INTERPRETER_MULTIPROCESSORS on a CPU tensor under the interpreter)."""
-    if device.type != "cuda":
-        return INTERPRETER_MULTIPROCESSORS
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit
@@ -57,33 +44,43 @@ def _in_pool(slot, tile, state_mask, P):
 
 
 @triton.jit
-def _item(it, items, HV, slices_v):
-    """Work item ``it`` (V slices fastest): (V slice, sequence, value head). An ``it`` past the
-    last item (a persistent program's prefetch) names the last one, so that its table reads
-    stay in bounds; the caller reads no state for it."""
-    it = tl.minimum(it, items - 1)
-    i_nh = it // slices_v
-    return it % slices_v, i_nh // HV, i_nh % HV
-
-
-@triton.jit
-def _span(n, seq_offsets, T, S_COLS, VARLEN: tl.constexpr, INDICES: tl.constexpr):
-    """Sequence ``n``'s tokens ``[bos, eos)``, int64."""
+def decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, indices, accepted, seq_offsets,
+    scale, lower_bound, beta_scale,
+    P, T, H, HV, K, V, S_COLS,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
+    STREAM: tl.constexpr,  # states read and written once: evict-first loads, streaming stores
+):  # fmt: skip
+    # One grid dimension (V slices fastest): a second one would stop at 65535 sequence-heads.
+    pid = tl.program_id(0).to(tl.int64)
+    slices_v = tl.cdiv(V, BV)
+    i_v, i_nh = pid % slices_v, pid // slices_v
+    n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
     if VARLEN:  # clamped into [0, T] (unchecked offsets that decrease make sequences overlap:
         # their outputs then race, but no access leaves the tensors)
-        bos = tl.minimum(tl.maximum(tl.load(seq_offsets + n).to(tl.int64), 0), T)
-        eos = tl.minimum(tl.maximum(tl.load(seq_offsets + n + 1).to(tl.int64), bos), T)
+        bos = tl.minimum(tl.maximum(tl.load(seq_offsets + n), 0), T)
+        eos = tl.minimum(tl.maximum(tl.load(seq_offsets + n + 1), bos), T)
         if INDICES == 2:  # and no token past the row of indices (unchecked lengths)
             eos = tl.minimum(eos, bos + S_COLS)
     else:  # B sequences of T tokens: no offsets table, nothing built on the host
         bos = n * T
         eos = bos + T
-    return bos, eos
+    rows_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    k_ok = rows_k < K
+    v_ok = cols_v < V
+    state_mask = v_ok[:, None] & k_ok[None, :]
+    if STATE_V_FIRST:  # [P, HV, V, K]
+        tile = i_hv * K * V + cols_v[:, None] * K + rows_k[None, :]
+    else:  # [P, HV, K, V]
+        tile = i_hv * K * V + rows_k[None, :] * V + cols_v[:, None]
+    slot_size = HV * K * V
 
-
-@triton.jit
-def _first_slot(n, indices, accepted, S_COLS, INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr):
-    """The slot sequence ``n`` reads its state from, int64 (range-checked where it is used)."""
     if INDICES == 0:
         first = n
     elif INDICES == 1:
@@ -93,56 +90,15 @@ def _first_slot(n, indices, accepted, S_COLS, INDICES: tl.constexpr, HAS_ACCEPTE
         if HAS_ACCEPTED:  # clamped into the row: accepted outside [1, S] reads no other row
             col = tl.minimum(tl.maximum(tl.load(accepted + n).to(tl.int64) - 1, 0), S_COLS - 1)
         first = tl.load(indices + n * S_COLS + col).to(tl.int64)
-    return first
-
-
-@triton.jit
-def _state_tile(i_v, i_hv, K, V, BK: tl.constexpr, BV: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    """Offsets of the slice ``S^T [BV, K]`` within a slot, and its mask."""
-    rows_k = tl.arange(0, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    state_mask = (cols_v < V)[:, None] & (rows_k < K)[None, :]
-    if STATE_V_FIRST:  # [P, HV, V, K]
-        tile = i_hv * K * V + cols_v[:, None] * K + rows_k[None, :]
-    else:  # [P, HV, K, V]
-        tile = i_hv * K * V + rows_k[None, :] * V + cols_v[:, None]
-    return tile, state_mask
-
-
-@triton.jit
-def _load_state(h0, slot, slot_size, tile, state_mask, P, BK: tl.constexpr, BV: tl.constexpr,
-                HAS_H0: tl.constexpr, STREAM: tl.constexpr):  # fmt: skip
-    """The slice of slot ``slot`` in float32 (zeros without h0 or outside ``[0, P)``)."""
+    first_mask = _in_pool(first, tile, state_mask, P)
     St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:
-        mask = _in_pool(slot, tile, state_mask, P)
         if STREAM:
-            St += tl.load(h0 + slot * slot_size + tile, mask=mask, other=0.0, eviction_policy="evict_first").to(
-                tl.float32
-            )
+            St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0,
+                          eviction_policy="evict_first").to(tl.float32)  # fmt: skip
         else:
-            St += tl.load(h0 + slot * slot_size + tile, mask=mask, other=0.0).to(tl.float32)
-    return St
+            St += tl.load(h0 + first * slot_size + tile, mask=first_mask, other=0.0).to(tl.float32)
 
-
-@triton.jit
-def _run_tokens(
-    St, q, k, v, g, beta, A_log, dt_bias, o, ht, indices,
-    scale, lower_bound, beta_scale,
-    P, H, HV, K, V, S_COLS,
-    n, i_hv, i_v, bos, eos, first, tile, state_mask, slot_size,
-    BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STORE_HT: tl.constexpr,
-    INDICES: tl.constexpr, STREAM: tl.constexpr,
-):  # fmt: skip
-    """One work item: the token loop from the loaded slice ``St``, its outputs, and the
-    state written back."""
-    i_h = i_hv // (HV // H)
-    rows_k = tl.arange(0, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    k_ok = rows_k < K
-    v_ok = cols_v < V
     a = 1.0
     if GATE != 0 and HAS_A_LOG:
         a = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
@@ -172,66 +128,10 @@ def _run_tokens(
             to_mask = _in_pool(to, tile, state_mask, P)
             tl.store(ht + to * slot_size + tile, St.to(ht.dtype.element_ty), mask=to_mask)
     if STORE_HT and INDICES != 2:
-        first_mask = _in_pool(first, tile, state_mask, P)
         if STREAM:
             tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask, cache_modifier=".cs")
         else:
             tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask)
-
-
-@triton.jit
-def decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, indices, accepted, seq_offsets,
-    scale, lower_bound, beta_scale,
-    P, T, H, HV, K, V, S_COLS, ITEMS,
-    BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
-    STREAM: tl.constexpr,  # states read and written once: evict-first loads, streaming stores
-    PERSISTENT: tl.constexpr,  # programs loop over the ITEMS work items, each prefetching the next
-):  # fmt: skip
-    # One grid dimension: a second one would stop at 65535 sequence-heads.
-    pid = tl.program_id(0).to(tl.int64)
-    slices_v = tl.cdiv(V, BV)
-    slot_size = HV * K * V
-    if PERSISTENT:
-        # Program p runs items p, p + programs, ...: the next item's slot index and state slice
-        # are loaded before this item's token loop, so that they are in flight while it runs and
-        # while its state is stored (an item past the last reads no state: slot -1).
-        step = tl.num_programs(0).to(tl.int64)
-        i_v, n, i_hv = _item(pid, ITEMS, HV, slices_v)
-        bos_next, eos_next = _span(n, seq_offsets, T, S_COLS, VARLEN, INDICES)
-        first_next = _first_slot(n, indices, accepted, S_COLS, INDICES, HAS_ACCEPTED)
-        tile, state_mask = _state_tile(i_v, i_hv, K, V, BK, BV, STATE_V_FIRST)
-        St_next = _load_state(h0, first_next, slot_size, tile, state_mask, P, BK, BV, HAS_H0, STREAM)
-        for it in tl.range(pid, ITEMS, step):
-            St, first, bos, eos = St_next, first_next, bos_next, eos_next
-            nxt = it + step
-            i_v2, n2, i_hv2 = _item(nxt, ITEMS, HV, slices_v)
-            bos_next, eos_next = _span(n2, seq_offsets, T, S_COLS, VARLEN, INDICES)
-            first_next = tl.where(nxt < ITEMS, _first_slot(n2, indices, accepted, S_COLS, INDICES, HAS_ACCEPTED), -1)
-            tile2, state_mask2 = _state_tile(i_v2, i_hv2, K, V, BK, BV, STATE_V_FIRST)
-            St_next = _load_state(h0, first_next, slot_size, tile2, state_mask2, P, BK, BV, HAS_H0, STREAM)
-            i_v, n, i_hv = _item(it, ITEMS, HV, slices_v)
-            tile, state_mask = _state_tile(i_v, i_hv, K, V, BK, BV, STATE_V_FIRST)
-            _run_tokens(
-                St, q, k, v, g, beta, A_log, dt_bias, o, ht, indices, scale, lower_bound, beta_scale,
-                P, H, HV, K, V, S_COLS, n, i_hv, i_v, bos, eos, first, tile, state_mask, slot_size,
-                BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS, L2NORM, BETA_SIGMOID, STORE_HT, INDICES, STREAM,
-            )  # fmt: skip
-    else:  # one program per item
-        i_v, n, i_hv = _item(pid, ITEMS, HV, slices_v)
-        bos, eos = _span(n, seq_offsets, T, S_COLS, VARLEN, INDICES)
-        first = _first_slot(n, indices, accepted, S_COLS, INDICES, HAS_ACCEPTED)
-        tile, state_mask = _state_tile(i_v, i_hv, K, V, BK, BV, STATE_V_FIRST)
-        St = _load_state(h0, first, slot_size, tile, state_mask, P, BK, BV, HAS_H0, STREAM)
-        _run_tokens(
-            St, q, k, v, g, beta, A_log, dt_bias, o, ht, indices, scale, lower_bound, beta_scale,
-            P, H, HV, K, V, S_COLS, n, i_hv, i_v, bos, eos, first, tile, state_mask, slot_size,
-            BK, BV, GATE, HAS_A_LOG, HAS_DT_BIAS, L2NORM, BETA_SIGMOID, STORE_HT, INDICES, STREAM,
-        )  # fmt: skip
 
 
 def decode_launch(p) -> tuple[int, int]:
@@ -248,19 +148,14 @@ def decode_launch(p) -> tuple[int, int]:
 
 
 def decode(
-    p,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    stream: bool | None = None,
-    programs_per_sm: int | None = None,
+    p, block_v: int | None = None, num_warps: int | None = None, stream: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``p`` (a checked call: a pool's, or a plain one with few tokens per sequence) in one
     launch: ``(o, final state)``. A pool is updated in place and returned; a plain call's
     final state is a new tensor (or None without ``output_final_state``). Nothing is built
     on the host: batched calls need no offsets, varlen ones read ``cu_seqlens`` on the device.
-    ``block_v``, ``num_warps``, ``stream`` (cache hints), ``programs_per_sm`` (persistent
-    programs, each looping over work items and prefetching the next: at most this many per
-    SM; 0, one program per item): override the launch (benchmarks compare them)."""
+    ``block_v``, ``num_warps``, ``stream`` (cache hints): override the launch (benchmarks
+    compare them)."""
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
     if p.pool is not None:
         h0 = ht = p.pool
@@ -276,22 +171,17 @@ def decode(
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     BV, warps = decode_launch(p)
     BV, warps = block_v or BV, num_warps or warps
-    items = cdiv(p.V, BV) * p.N * p.HV
-    per_sm = DECODE_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-    programs = min(items, per_sm * multiprocessors(p.q.device)) if per_sm else items
-    decode_kernel[(programs,)](
+    decode_kernel[(cdiv(p.V, BV) * p.N * p.HV,)](
         p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, o, h0, ht, idx, p.accepted, p.cu_seqlens,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-        p.N if p.pool is None else p.pool.shape[0], p.T, p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1, items,
+        p.N if p.pool is None else p.pool.shape[0], p.T, p.H, p.HV, p.K, p.V, idx.shape[1] if mode == 2 else 1,
         BK=next_power_of_2(p.K), BV=BV,
         GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
         VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         INDICES=mode, HAS_ACCEPTED=p.accepted is not None, STREAM=DECODE_STREAM if stream is None else stream,
-        PERSISTENT=programs < items, num_warps=warps,
+        num_warps=warps,
     )  # fmt: skip
-    if programs < items:
-        note(f"triton:decode_persistent:{programs}")  # tests see that the loop ran
     return o, ht
 
 
