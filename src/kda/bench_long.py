@@ -71,6 +71,8 @@ def long_main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{stem}-long{args.tag}"
     cases = LONG_CASES[:2] if args.quick else LONG_CASES
+    if args.cases:  # as the other benches: 0-based numbers
+        cases = [LONG_CASES[int(i)] for i in args.cases.split(",")]
     for case in cases:
         tensors, kw = make_inputs(case)
         row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
