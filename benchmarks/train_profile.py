@@ -1,8 +1,9 @@
 """The training step's Triton kernels on one case, kda alone: per-kernel GPU time, each
 autotuned kernel's chosen config, and the registers and spills ptxas gave every compiled
 variant (Triton's CompiledKernel.n_regs / n_spills, on the device's own Triton).
-Usage: train_profile.py [CASE_INDEX] [ncu]; with ``ncu`` it only runs three steps after a
-warm-up (for ``ncu --launch-skip``)."""
+Usage: train_profile.py [CASE_INDEX] [ncu] [slice=N]; with ``ncu`` it only runs three steps after a
+warm-up (for ``ncu --launch-skip``); ``slice=N`` sets chunk_grad.INPUT_GRAD_SLICE (K columns per
+slice of the input-gradient kernel) first, to compare widths in one process."""
 
 import sys
 
@@ -11,6 +12,10 @@ import torch
 from kda import bench
 from kda.triton import chunk_grad, prepare, recurrence, state_grad
 
+for arg in sys.argv[2:]:
+    if arg.startswith("slice="):
+        chunk_grad.INPUT_GRAD_SLICE = int(arg.partition("=")[2])
+        print("INPUT_GRAD_SLICE", chunk_grad.INPUT_GRAD_SLICE)
 case = bench.TRAIN_CASES[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
 tensors, kw = bench.make_inputs(case)
 call = bench.train_contenders()["kda-triton"]

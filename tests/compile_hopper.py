@@ -19,7 +19,12 @@ from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
 from kda.tables import build_tables_kernel
-from kda.triton.chunk_grad import chunk_du_grads_kernel, chunk_input_grads_kernel, chunk_state_grads_kernel
+from kda.triton.chunk_grad import (
+    INPUT_GRAD_SLICE,
+    chunk_du_grads_kernel,
+    chunk_input_grads_kernel,
+    chunk_state_grads_kernel,
+)
 from kda.triton.decode import decode_kernel
 from kda.triton.prepare import prepare_chunks_kernel
 from kda.triton.recurrence import recurrence_v_split_kernel
@@ -118,9 +123,9 @@ for gate, pairwise in ((0, False), (0, True), (1, False), (2, False), (2, True))
     build(
         chunk_input_grads_kernel,
         {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32", "H": "i32", "HV": "i32", "K": "i32"},
-        dict(BK=128, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
-             SAFE=gate == 1, DOT_PRECISION="tf32", PAIRWISE=pairwise),
-        8,
+        dict(BK=128, SLICE=INPUT_GRAD_SLICE, GATE=gate, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True,
+             BETA_SIGMOID=True, SAFE=gate == 1, DOT_PRECISION="tf32", PAIRWISE=pairwise),
+        4,
     )  # fmt: skip
 # the chunk tables (integer work: no tensor cores)
 for varlen, rank in ((True, True), (True, False), (False, False)):

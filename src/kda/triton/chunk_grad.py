@@ -16,14 +16,15 @@ slice's share of the products with a state summed over V: ``dQ~ = dO S^T``, ``dw
 It writes them to float32 scratch. :func:`chunk_du_grads_kernel`, per (chunk, value head),
 forms the products of dU that need no state: ``dV = inverse_beta^T dU`` (stored), ``dU V^T``
 and ``dO V^T``. :func:`chunk_input_grads_kernel`, one program per (chunk, q/k head) looping
-over the value heads that share it (GVA: their dq, dk are summed in registers), recomputes
-the chunk's prepare stage in float32 (``prepare.chunk_operands``), takes ``dM = dO U^T = (dO
-V^T) inverse_beta^T - dQ~ w^T`` (U's two terms, so U is never stored) and runs the prepare
-stage backwards (``reference.prepare_chunk_backward``): through w and the inverse to dA,
-through A and M to k, q and the decay (factored as in the forward where the gate keeps the
-exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
+over the value heads that share it (GVA: their dq, dk are summed), recomputes the chunk's
+prepare stage in float32 a slice of K at a time (``INPUT_GRAD_SLICE`` columns), takes ``dM =
+dO U^T = (dO V^T - dQ~ K~^T) inverse_beta^T`` (U's two terms, so U is never stored) and runs
+the prepare stage backwards (``reference.prepare_chunk_backward``): through w and the inverse
+to dA, through A and M to k, q and the decay (factored as in the forward where the gate keeps
+the exponents in range, pairwise otherwise), the reverse cumulative sum to dg, and through the
 in-kernel activations (gate, beta sigmoid, l2norm) to the raw inputs. dA_log and dt_bias,
-shared by every token, get per-chunk partial sums that the launcher adds up.
+shared by every token, get per-chunk (and, for dA_log, per-slice) partial sums that the
+launcher adds up.
 
 Why the prepare stage's backward is a kernel of its own: in one with the V slices, their
 accumulators and the prepare stage's recomputed operands (a dozen 16 x K float32 tiles) were
@@ -33,7 +34,10 @@ kernel: formed there on the CUDA cores (a tl.dot would pull the chained dots int
 that replicates 16-row tiles across warps) each took a [16, 16, BV] temporary; that kernel
 took 2.91 ms at 255 registers and 12.5% occupancy, 1.57 ms without them (ncu and the torch
 profiler, H200, 2026-12-01). In the prepare-backwards kernel they cost it 0.6 ms more in
-spills, so they have a small kernel.
+spills, so they have a small kernel. Why the prepare-backwards kernel runs in K slices: with
+all of K at once it spilled (43 M local-memory requests at 4 warps, ncu); in slices of 32 it
+runs the softplus gate's programs in 2.40 ms against 2.78 and the safe gate's in the same
+2.03 ms, with 1.6 times the instructions (H200, 2026-12-01, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -42,24 +46,40 @@ import torch
 import triton
 import triton.language as tl
 
-from kda.intmath import next_power_of_2
+from kda.intmath import cdiv, next_power_of_2
 from kda.tables import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN
 from kda.triton.common import autotune_configs, interpreting, safe_gate_path
 from kda.triton.prepare import (
     EXP2_LIMIT,
     FAR_LAUNCHES,
     HARD_RESET,
+    L2NORM_EPS,
     _row,
-    chunk_operands,
+    chunk_decays,
     chunk_position,
     load_gate_beta,
-    load_qk,
     pair_decay,
+    unit_lower_inverse,
 )
 from kda.triton.recurrence import _mm
 
 ROWS = tl.constexpr(CHUNK)
 DU_SLICE = 64  # V columns of dU, V and dO chunk_du_grads_kernel holds at once
+# Columns of K chunk_input_grads_kernel holds at once. With all of K at once (a dozen [16, 128]
+# float32 tiles live) ptxas gave it 255 registers and 0.9 KB of spill code at 8 warps (sm_90,
+# Triton 3.6, 2026-12-01) and the H200 ran it at 12.5% occupancy (benchmarks/NOTES.md).
+INPUT_GRAD_SLICE = 32
+INTERPRETER_SLICE = 16  # narrower under the interpreter: the CPU tests' K of 24 and 32 take two slices
+
+
+def input_grad_slice(BK: int) -> int:
+    """The K columns per slice of chunk_input_grads_kernel for a padded head size ``BK``."""
+    return min(BK, INTERPRETER_SLICE if interpreting() else INPUT_GRAD_SLICE)
+
+
+def input_grad_slices(K: int, BK: int) -> int:
+    """How many slices of K chunk_input_grads_kernel runs (the dA_log partials' last dimension)."""
+    return cdiv(K, input_grad_slice(BK))
 
 
 @triton.jit
@@ -228,9 +248,28 @@ def chunk_du_grads_kernel(
     tl.store(d_squares + tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS + square, do_vt)
 
 
-@triton.autotune(
-    configs=autotune_configs([{}], warps=(8, 4, 16), stages=(1,)),
-    key=["BK", "GATE", "SAFE", "PAIRWISE"],
+@triton.jit
+def _slice_rows(x, tok, row_ok, cols, col_ok, i_h, H, K):
+    """Rows ``tok`` of head i_h of a [.., H, K] tensor, columns ``cols``, in float32."""
+    ptrs = x + (tok[:, None] * H + i_h) * K + cols[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pair_products(b_k, G2, R, rows):
+    """``sum_c k_ic k_jc exp(G_ic - G_jc)`` over the columns of a slice for every pair (i, j),
+    formed from the differences (every exponent <= 0): A's unit form where the factored one
+    cannot hold (rows i < j are the caller's to mask)."""
+    A_pair = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    for j in tl.static_range(ROWS):
+        a_col = tl.sum(b_k * (_row(b_k, rows, j)[None, :] * pair_decay(G2, R, rows, j)), axis=1)
+        A_pair = tl.where(rows[None, :] == j, a_col[:, None], A_pair)
+    return A_pair
+
+
+@triton.autotune(  # ptxas takes ~250 registers at 4 or 8 warps whatever SLICE is; capped, it spills a little
+    configs=autotune_configs([{}, {"maxnreg": 168}, {"maxnreg": 128}], warps=(4, 8), stages=(1,)),
+    key=["BK", "SLICE", "GATE", "SAFE", "PAIRWISE"],
 )
 @triton.jit
 def chunk_input_grads_kernel(
@@ -240,140 +279,225 @@ def chunk_input_grads_kernel(
     dq, dk, dg, dbeta, dA_log_part, ddt_bias_part, far,
     scale, lower_bound, beta_scale,
     H, HV, K,
-    BK: tl.constexpr,
+    BK: tl.constexpr, SLICE: tl.constexpr,
     GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PAIRWISE: tl.constexpr,
 ):  # fmt: skip
-    """The prepare stage of one (chunk, q/k head), recomputed in float32 and run backwards for
-    each value head that shares the q/k head, from the operand gradients of
-    :func:`chunk_state_grads_kernel`.
+    """The prepare stage of one (chunk, q/k head) run backwards for each value head that shares
+    the q/k head, from the operand gradients of :func:`chunk_state_grads_kernel`, ``SLICE``
+    columns of K at a time (no [16, K] float32 tile is live; see ``INPUT_GRAD_SLICE``).
 
-    Without SAFE it runs as two launches (``prepare.FAR_LAUNCHES``). The first, without the pairwise
-    path (``PAIRWISE`` False), runs every program and writes ``far[chunk, q/k head]`` (int8: some
-    value head of the program has a row past the factored form's range or a reset). Such a
-    program's outputs are wrong; the second launch, with the pairwise path, runs those programs
-    again and overwrites every output they wrote. Its other programs read the flag and return."""
+    Three passes over the slices. (1) Per value head, the sums over K: ``A_unit = K~ Kinv^T``,
+    ``d_w K~^T`` and ``dQ~ K~^T``; then the 16 x 16 algebra (the inverse, dA, d beta, dM),
+    whose results (inverse_beta, and dM with dA_unit^T packed above its diagonal) overwrite
+    that value head's two ``d_squares`` matrices once read. (2) Per slice, every value head's
+    column-wise gradients (dq, dk summed over the group, dg and the gate's parameters). (3)
+    With l2norm, its row sums need every column: (2) leaves dq^, dk^ in the d_operands rows
+    of the group's first value head (read by then), and (3) applies the norm's backward.
+
+    Without SAFE it runs as two launches (``prepare.FAR_LAUNCHES``), from the forward's flags
+    ``far[chunk, value head]``: the first skips every program with a flagged value head and
+    runs the others without the pairwise path; the second runs only those, with it (for all of
+    their rows: exact for every row, the factored form only within its range). A skipped
+    program writes nothing, so the second finds its inputs intact."""
     i_c = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    # Named, not `_`: the loop below assigns `_` a tensor, and Triton gives a variable one type.
+    # Named, not `_`: the loops below assign tensors, and Triton gives a variable one type.
     _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
     if t0 >= eos:
         return
-    if PAIRWISE:  # noqa: SIM102 (a constexpr and a tensor: no `and` between them in Triton)
-        if tl.load(far + i_c * H + i_h) == 0:
+    group = HV // H
+    if not SAFE:
+        program_far = tl.zeros([], dtype=tl.int32)
+        for i_g in tl.range(0, group):
+            program_far = tl.maximum(program_far, tl.load(far + i_c * HV + i_h * group + i_g).to(tl.int32))
+        if PAIRWISE:
+            if program_far == 0:
+                return
+        elif program_far != 0:
             return
     rows = tl.arange(0, ROWS)
-    rows_k = tl.arange(0, BK)
     tok = t0 + rows
     row_ok = tok < eos
-    k_ok = rows_k < K
-    mask = row_ok[:, None] & k_ok[None, :]
-    tile = rows[:, None] * BK + rows_k[None, :]
     plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
     square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
-    group = HV // H
+    slices = tl.cdiv(K, SLICE)
+    lower = rows[:, None] > rows[None, :]
+    earlier = tl.where(lower, 1.0, 0.0)
 
-    b_q, b_k, q_rstd, k_rstd = load_qk(q, k, tok, row_ok, rows_k, k_ok, i_h, H, K, L2NORM)
-    dq_hat = tl.zeros([ROWS, BK], dtype=tl.float32)  # summed over the group's value heads
-    dk_hat = tl.zeros([ROWS, BK], dtype=tl.float32)
-    program_far = tl.zeros([], dtype=tl.int32)  # some value head so far took the pairwise path
+    q_rstd = tl.full([ROWS], 1.0, tl.float32)
+    k_rstd = tl.full([ROWS], 1.0, tl.float32)
+    if L2NORM:
+        q_sq = tl.zeros([ROWS], dtype=tl.float32)
+        k_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for s in tl.range(0, slices):
+            cols = s * SLICE + tl.arange(0, SLICE)
+            col_ok = cols < K
+            b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K)
+            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K)
+            q_sq += tl.sum(b_q * b_q, axis=1)
+            k_sq += tl.sum(b_k * b_k, axis=1)
+        q_rstd = tl.rsqrt(q_sq + L2NORM_EPS)
+        k_rstd = tl.rsqrt(k_sq + L2NORM_EPS)
+
+    # ---- pass 1: per value head, the sums over K and the 16 x 16 algebra
     for i_g in tl.range(0, group):
         i_hv = i_h * group + i_g
         ws = i_c * HV + i_hv
-        b_g, b_beta, x, a, b_raw = load_gate_beta(
-            g, beta, A_log, dt_bias, tok, row_ok, rows_k, k_ok, i_hv, HV, K, lower_bound, beta_scale,
-            GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
-        )  # fmt: skip
-        G2, R, decay, to_end, whole, b_qd, b_kd, b_kr, b_kinv, b_Au, _, T, b_ib, b_w, any_far = chunk_operands(
-            b_q, b_k, b_g, b_beta, scale, rows, SAFE, DOT_PRECISION, PAIRWISE
-        )
-        if not SAFE:
-            program_far = tl.maximum(program_far, any_far.to(tl.int32))
-        # dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T) inverse_beta^T - dQ~ w^T; dO V^T and
-        # dU V^T come from chunk_du_grads_kernel
+        A_unit = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        dw_kd = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # d_w K~^T
+        dqd_kd = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # dQ~ K~^T
+        b_beta = tl.zeros([ROWS], dtype=tl.float32)
+        b_raw = tl.zeros([ROWS], dtype=tl.float32)
+        for s in tl.range(0, slices):
+            cols = s * SLICE + tl.arange(0, SLICE)
+            col_ok = cols < K
+            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+            b_g, b_beta, _x, _a, b_raw = load_gate_beta(
+                g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
+                GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+            )  # fmt: skip
+            G2, R, decay, _to_end, _whole = chunk_decays(b_g, rows, SAFE)
+            b_kd = b_k * decay
+            if PAIRWISE:
+                A_unit += _pair_products(b_k, G2, R, rows)
+            else:
+                b_kinv = b_k * tl.exp2(tl.minimum(-G2, EXP2_LIMIT))
+                A_unit += tl.dot(b_kd, tl.trans(b_kinv), input_precision=DOT_PRECISION)
+            tile = ws * ROWS * BK + rows[:, None] * BK + cols[None, :]
+            dw_kd += tl.dot(tl.load(d_operands + plane + tile), tl.trans(b_kd), input_precision=DOT_PRECISION)
+            dqd_kd += tl.dot(tl.load(d_operands + tile), tl.trans(b_kd), input_precision=DOT_PRECISION)
+        A_unit = tl.where(lower, A_unit, 0.0)
+        T = unit_lower_inverse(A_unit * b_beta[:, None], rows)
+        b_ib = T * b_beta[None, :]  # inverse_beta = T Diag(beta)
         square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
-        d_ib = tl.load(d_squares + square)
-        do_vt = tl.load(d_squares + square_plane + square)
-        d_qd = tl.load(d_operands + ws * ROWS * BK + tile)
-        d_w = tl.load(d_operands + plane + ws * ROWS * BK + tile)
-        # w = inverse_beta K~; inverse_beta = T Diag(beta); A = Diag(beta) A_unit; dA = -T^T dT T^T
-        d_ib += tl.dot(d_w, tl.trans(b_kd), input_precision=DOT_PRECISION)
-        d_kd = tl.dot(tl.trans(b_ib), d_w, input_precision=DOT_PRECISION)
+        # w = inverse_beta K~ gives d inverse_beta its d_w K~^T; A = Diag(beta) A_unit; dA = -T^T dT T^T
+        d_ib = tl.load(d_squares + square) + dw_kd
         d_beta = tl.sum(T * d_ib, axis=0)
         Tt = tl.trans(T)
         dA = -tl.dot(tl.dot(Tt, d_ib * b_beta[None, :], input_precision="ieee"), Tt, input_precision="ieee")
-        dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
-        d_beta += tl.sum(dA * b_Au, axis=1)
-        dAu = dA * b_beta[:, None]
-        # M's diagonal (exp(G_i - G_i) = 1) has no decay to differentiate: split off, it adds to q
-        # and k alone, and the exponents' shares below cancel nothing on it.
-        d_M = tl.dot(do_vt, tl.trans(b_ib), input_precision=DOT_PRECISION)
-        d_M -= tl.dot(d_qd, tl.trans(b_w), input_precision=DOT_PRECISION)
-        d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], d_M, 0.0), axis=1) * scale
-        d_M = tl.where(rows[:, None] > rows[None, :], d_M, 0.0)
-        if not PAIRWISE:
-            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
-                                                        DOT_PRECISION)  # fmt: skip
-        elif any_far:
-            dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, R, scale, rows)
-        else:
-            dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
-                                                        DOT_PRECISION)  # fmt: skip
-
-        d_kr = tl.load(d_operands + 2 * plane + ws * ROWS * BK + tile)
-        dq_hat += scale * decay * d_qd + dq_pair + d_M_diag[:, None] * b_k
-        dk_hat += decay * d_kd + to_end * d_kr + dk_pair + d_M_diag[:, None] * b_q
-        # dg_t = sum over rows i >= t of dG_i (G = cumsum(g)), plus the terms whose exponent is a
-        # sum of later rows: K^_i's exp(G_last - G_i) takes every g_t with t > i (a prefix sum
-        # over i < t, formed as a product with the strictly lower ones: written as G_last minus
-        # G_i, the two would cancel in floating point), gamma's exp(G_last) takes every row.
-        dG = d_qd * b_qd + d_kd * b_kd + dG_pair
-        earlier = tl.where(rows[:, None] > rows[None, :], 1.0, 0.0)
-        d_g = tl.cumsum(dG, axis=0, reverse=True) + tl.dot(earlier, d_kr * b_kr, input_precision="ieee")
-        d_g += (tl.load(d_gamma_in + ws * BK + rows_k) * whole)[None, :]
-        if not SAFE:  # a reset step's decay is 0 for every g below HARD_RESET: no gradient
-            d_g = tl.where(b_g < HARD_RESET, 0.0, d_g)
-
-        # ---- the in-kernel activations
-        io_k = (tok[:, None] * HV + i_hv) * K + rows_k[None, :]
-        if GATE == 1:  # g = lb sigmoid(z), z = a x
-            s = tl.sigmoid(a * x)
-            d_z = tl.where(mask, d_g * lower_bound * s * (1.0 - s), 0.0)
-            d_x = d_z * a
-            if HAS_A_LOG:
-                tl.store(dA_log_part + ws, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
-        elif GATE == 2:  # g = -a softplus(x)
-            d_x = tl.where(mask, -a * d_g * tl.sigmoid(x), 0.0)
-            tl.store(dA_log_part + ws, tl.sum(tl.sum(d_g * b_g, axis=1), axis=0))
-        else:
-            d_x = d_g
-        if GATE != 0 and HAS_DT_BIAS:
-            tl.store(ddt_bias_part + ws * K + rows_k, tl.sum(d_x, axis=0), mask=k_ok)
-        tl.store(dg + io_k, d_x.to(dg.dtype.element_ty), mask=mask)
+        dA = tl.where(lower, dA, 0.0)
+        d_beta += tl.sum(dA * A_unit, axis=1)
+        # dM = dO U^T = dO (inverse_beta V - w S)^T = (dO V^T - dQ~ K~^T) inverse_beta^T (dO V^T and dU V^T
+        # from chunk_du_grads_kernel)
+        d_M = tl.dot(tl.load(d_squares + square_plane + square) - dqd_kd, tl.trans(b_ib), input_precision="ieee")
+        packed = tl.where(rows[:, None] >= rows[None, :], d_M, tl.trans(dA * b_beta[:, None]))
         if BETA_SIGMOID:
             s_b = tl.sigmoid(b_raw)
             d_beta = d_beta * beta_scale * s_b * (1.0 - s_b)
         tl.store(dbeta + tok * HV + i_hv, d_beta.to(dbeta.dtype.element_ty), mask=row_ok)
+        tl.debug_barrier()  # every thread has read both matrices before they are overwritten
+        tl.store(d_squares + square, b_ib)
+        tl.store(d_squares + square_plane + square, packed)
+    tl.debug_barrier()
 
-    # ---- l2norm: x^ = x r, dx = r (dx^ - x^ sum(x^ dx^))
+    # ---- pass 2: per slice, the column-wise gradients of every value head
+    q_dot = tl.zeros([ROWS], dtype=tl.float32)  # l2norm's row sums: dq^ . q^, dk^ . k^
+    k_dot = tl.zeros([ROWS], dtype=tl.float32)
+    for s in tl.range(0, slices):
+        cols = s * SLICE + tl.arange(0, SLICE)
+        col_ok = cols < K
+        mask = row_ok[:, None] & col_ok[None, :]
+        b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
+        b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+        dq_hat = tl.zeros([ROWS, SLICE], dtype=tl.float32)  # summed over the group's value heads
+        dk_hat = tl.zeros([ROWS, SLICE], dtype=tl.float32)
+        for i_g in tl.range(0, group):
+            i_hv = i_h * group + i_g
+            ws = i_c * HV + i_hv
+            b_g, _beta, x, a, _raw = load_gate_beta(
+                g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
+                GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+            )  # fmt: skip
+            G2, R, decay, to_end, whole = chunk_decays(b_g, rows, SAFE)
+            b_qd = b_q * decay * scale  # Q~
+            b_kd = b_k * decay  # K~
+            b_kr = b_k * to_end  # K^
+            tile = ws * ROWS * BK + rows[:, None] * BK + cols[None, :]
+            d_qd = tl.load(d_operands + tile)
+            d_w = tl.load(d_operands + plane + tile)
+            d_kr = tl.load(d_operands + 2 * plane + tile)
+            square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
+            b_ib = tl.load(d_squares + square)
+            packed = tl.load(d_squares + square_plane + square)
+            # M's diagonal (exp(G_i - G_i) = 1) has no decay to differentiate: split off, it adds to
+            # q and k alone, and the exponents' shares below cancel nothing on it.
+            d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], packed, 0.0), axis=1) * scale
+            d_M = tl.where(lower, packed, 0.0)
+            dAu = tl.where(lower, tl.trans(packed), 0.0)
+            d_kd = tl.dot(tl.trans(b_ib), d_w, input_precision=DOT_PRECISION)
+            if PAIRWISE:
+                dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, R, scale, rows)
+            else:
+                b_kinv = b_k * tl.exp2(tl.minimum(-G2, EXP2_LIMIT))
+                dq_pair, dk_pair, dG_pair = _pairs_factored(dAu, d_M, b_qd, b_kd, b_kinv, G2, decay, scale,
+                                                            DOT_PRECISION)  # fmt: skip
+            dq_hat += scale * decay * d_qd + dq_pair + d_M_diag[:, None] * b_k
+            dk_hat += decay * d_kd + to_end * d_kr + dk_pair + d_M_diag[:, None] * b_q
+            # dg_t = sum over rows i >= t of dG_i (G = cumsum(g)), plus the terms whose exponent is a
+            # sum of later rows: K^_i's exp(G_last - G_i) takes every g_t with t > i (a prefix sum
+            # over i < t, formed as a product with the strictly lower ones: written as G_last minus
+            # G_i, the two would cancel in floating point), gamma's exp(G_last) takes every row.
+            dG = d_qd * b_qd + d_kd * b_kd + dG_pair
+            d_g = tl.cumsum(dG, axis=0, reverse=True) + tl.dot(earlier, d_kr * b_kr, input_precision="ieee")
+            d_g += (tl.load(d_gamma_in + ws * BK + cols) * whole)[None, :]
+            if not SAFE:  # a reset step's decay is 0 for every g below HARD_RESET: no gradient
+                d_g = tl.where(b_g < HARD_RESET, 0.0, d_g)
+
+            # ---- the in-kernel gate
+            if GATE == 1:  # g = lb sigmoid(z), z = a x
+                sig = tl.sigmoid(a * x)
+                d_z = tl.where(mask, d_g * lower_bound * sig * (1.0 - sig), 0.0)
+                d_x = d_z * a
+                if HAS_A_LOG:
+                    tl.store(dA_log_part + ws * slices + s, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
+            elif GATE == 2:  # g = -a softplus(x)
+                d_x = tl.where(mask, -a * d_g * tl.sigmoid(x), 0.0)
+                if HAS_A_LOG:  # b_g is 0 off the chunk's rows and columns
+                    tl.store(dA_log_part + ws * slices + s, tl.sum(tl.sum(d_g * b_g, axis=1), axis=0))
+            else:
+                d_x = d_g
+            if GATE != 0 and HAS_DT_BIAS:
+                tl.store(ddt_bias_part + ws * K + cols, tl.sum(d_x, axis=0), mask=col_ok)
+            tl.store(dg + (tok[:, None] * HV + i_hv) * K + cols[None, :], d_x.to(dg.dtype.element_ty), mask=mask)
+
+        io = (tok[:, None] * H + i_h) * K + cols[None, :]
+        if L2NORM:  # dq^, dk^ wait for the row sums, in the group's first value head's d_operands rows
+            q_dot += tl.sum(b_q * dq_hat, axis=1)
+            k_dot += tl.sum(b_k * dk_hat, axis=1)
+            held = (i_c * HV + i_h * group) * ROWS * BK + rows[:, None] * BK + cols[None, :]
+            tl.debug_barrier()  # this slice of those rows is read by every thread before it is overwritten
+            tl.store(d_operands + held, dq_hat)
+            tl.store(d_operands + plane + held, dk_hat)
+        else:
+            tl.store(dq + io, dq_hat.to(dq.dtype.element_ty), mask=mask)
+            tl.store(dk + io, dk_hat.to(dk.dtype.element_ty), mask=mask)
+
+    # ---- pass 3, l2norm: x^ = x r, dx = r (dx^ - x^ sum(x^ dx^))
     if L2NORM:
-        dq_hat = q_rstd[:, None] * (dq_hat - b_q * tl.sum(b_q * dq_hat, axis=1)[:, None])
-        dk_hat = k_rstd[:, None] * (dk_hat - b_k * tl.sum(b_k * dk_hat, axis=1)[:, None])
-    io_qk = (tok[:, None] * H + i_h) * K + rows_k[None, :]
-    if not SAFE and not PAIRWISE:
-        tl.store(far + i_c * H + i_h, program_far.to(tl.int8))
-    tl.store(dq + io_qk, dq_hat.to(dq.dtype.element_ty), mask=mask)
-    tl.store(dk + io_qk, dk_hat.to(dk.dtype.element_ty), mask=mask)
+        tl.debug_barrier()
+        for s in tl.range(0, slices):
+            cols = s * SLICE + tl.arange(0, SLICE)
+            col_ok = cols < K
+            mask = row_ok[:, None] & col_ok[None, :]
+            held = (i_c * HV + i_h * group) * ROWS * BK + rows[:, None] * BK + cols[None, :]
+            b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
+            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+            d_q = q_rstd[:, None] * (tl.load(d_operands + held) - b_q * q_dot[:, None])
+            d_k = k_rstd[:, None] * (tl.load(d_operands + plane + held) - b_k * k_dot[:, None])
+            io = (tok[:, None] * H + i_h) * K + cols[None, :]
+            tl.store(dq + io, d_q.to(dq.dtype.element_ty), mask=mask)
+            tl.store(dk + io, d_k.to(dk.dtype.element_ty), mask=mask)
 
 
-def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
+def chunk_grads(p, tables, ws: dict[str, torch.Tensor | None], do: torch.Tensor, checkpoints: torch.Tensor,
                 dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
     """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
     backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
-    shapes, and the per-chunk partials dA_log [NC, HV], dt_bias [NC, HV, K] where the gate has
-    them). Between the two, float32 scratch holds the operand gradients and dU (3 x 16 x BK +
-    16 x V + BK values per chunk and value head)."""
+    shapes, and the per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where
+    the gate has them). Between the two, float32 scratch holds the operand gradients and dU (3 x
+    16 x BK + 16 x V + BK values per chunk and value head); the last kernel reuses it."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
     d_u = p.q.new_empty(NC, HV, CHUNK, p.V, dtype=torch.float32)
@@ -393,15 +517,14 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     safe = safe_gate_path(p)
-    far = None if safe else p.q.new_empty(NC, p.H, dtype=torch.int8)  # written by the first launch
     for pairwise in (False,) if safe else FAR_LAUNCHES:
         chunk_input_grads_kernel[(NC, p.H)](
             p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
             tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
             d_operands, d_squares, d_gamma,
-            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), far,
+            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), ws["far"],
             p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-            p.H, HV, p.K, BK=BK,
+            p.H, HV, p.K, BK=BK, SLICE=input_grad_slice(BK),
             GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,
             L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, SAFE=safe,
             DOT_PRECISION=dot_precision, PAIRWISE=pairwise,

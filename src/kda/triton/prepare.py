@@ -123,6 +123,39 @@ def load_gate_beta(
 
 
 @triton.jit
+def chunk_decays(b_g, rows, SAFE: tl.constexpr):
+    """The chunk's decays from its log-decays ``b_g`` [16, columns], column by column (so a
+    slice of the K columns gives that slice's): ``(G2, R, decay, to_end, whole)`` as
+    :func:`chunk_operands` returns them."""
+    if SAFE:  # the lower-bound gate: g >= lb >= -5, never a reset
+        G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
+        R = tl.zeros(b_g.shape, dtype=tl.float32)
+    else:
+        reset = b_g < HARD_RESET
+        G2 = tl.cumsum(tl.where(reset, 0.0, b_g), axis=0) * LOG2E
+        R = tl.cumsum(reset.to(tl.float32), axis=0)
+    G2_last = _row(G2, rows, ROWS - 1)
+    R_last = _row(R, rows, ROWS - 1)
+    decay = tl.where(R > 0, 0.0, tl.exp2(G2))
+    to_end = tl.where(R_last[None, :] == R, tl.exp2(G2_last[None, :] - G2), 0.0)  # exponent <= 0
+    whole = tl.where(R_last > 0, 0.0, tl.exp2(G2_last))
+    return G2, R, decay, to_end, whole
+
+
+@triton.jit
+def unit_lower_inverse(b_A, rows):
+    """``(I + A)^-1`` of a strictly lower [16, 16] ``A``, float32:
+    ``(I - A)(I + A^2)(I + A^4)(I + A^8)``, since A^16 = 0."""
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    A2 = tl.dot(b_A, b_A, input_precision="ieee")
+    A4 = tl.dot(A2, A2, input_precision="ieee")
+    A8 = tl.dot(A4, A4, input_precision="ieee")
+    inv = tl.dot(eye - b_A, eye + A2, input_precision="ieee")
+    inv = tl.dot(inv, eye + A4, input_precision="ieee")
+    return tl.dot(inv, eye + A8, input_precision="ieee")
+
+
+@triton.jit
 def chunk_operands(
     b_q, b_k, b_g, b_beta, scale, rows, SAFE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRWISE: tl.constexpr
 ):
@@ -136,18 +169,7 @@ def chunk_operands(
     recompute where ``PAIRWISE`` compiles it in; without it (a launch that leaves those chunks to
     another, ``FAR_LAUNCHES``) their operands are wrong and the caller must not use
     them."""
-    if SAFE:  # the lower-bound gate: g >= lb >= -5, never a reset
-        G2 = tl.cumsum(b_g, axis=0) * LOG2E  # masked rows repeat the last valid row
-        R = tl.zeros(b_g.shape, dtype=tl.float32)
-    else:
-        reset = b_g < HARD_RESET
-        G2 = tl.cumsum(tl.where(reset, 0.0, b_g), axis=0) * LOG2E
-        R = tl.cumsum(reset.to(tl.float32), axis=0)
-    G2_last = _row(G2, rows, ROWS - 1)
-    R_last = _row(R, rows, ROWS - 1)
-    decay = tl.where(R > 0, 0.0, tl.exp2(G2))
-    to_end = tl.where(R_last[None, :] == R, tl.exp2(G2_last[None, :] - G2), 0.0)  # exponent <= 0
-    whole = tl.where(R_last > 0, 0.0, tl.exp2(G2_last))
+    G2, R, decay, to_end, whole = chunk_decays(b_g, rows, SAFE)
     b_qd = b_q * decay * scale  # Q~
     b_kd = b_k * decay  # K~
     b_kr = b_k * to_end  # K^
@@ -180,14 +202,7 @@ def chunk_operands(
     b_M = tl.where(rows[:, None] >= rows[None, :], b_M, 0.0)
     b_A = b_Au * b_beta[:, None]
 
-    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8): A is strictly lower, so A^16 = 0.
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    A2 = tl.dot(b_A, b_A, input_precision="ieee")
-    A4 = tl.dot(A2, A2, input_precision="ieee")
-    A8 = tl.dot(A4, A4, input_precision="ieee")
-    inv = tl.dot(eye - b_A, eye + A2, input_precision="ieee")
-    inv = tl.dot(inv, eye + A4, input_precision="ieee")
-    inv = tl.dot(inv, eye + A8, input_precision="ieee")
+    inv = unit_lower_inverse(b_A, rows)
     b_ib = inv * b_beta[None, :]  # (I + A)^-1 Diag(beta)
     b_w = tl.dot(b_ib, b_kd, input_precision=DOT_PRECISION)
     return G2, R, decay, to_end, whole, b_qd, b_kd, b_kr, b_kinv, b_Au, b_M, inv, b_ib, b_w, any_far
@@ -256,8 +271,10 @@ def prepare_chunks_kernel(
     tl.store(gamma + (i_c * HV + i_hv) * BK + cols, whole)
 
 
-def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) -> dict[str, torch.Tensor]:
-    """Launch the prepare stage for every chunk of ``p`` (a checked :class:`Problem`)."""
+def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) -> dict[str, torch.Tensor | None]:
+    """Launch the prepare stage for every chunk of ``p`` (a checked :class:`Problem`): the
+    workspace by name, and ``far`` ([NC, HV] int8: the chunk and value head took the pairwise
+    path, ``FAR_LAUNCHES``; None for the safe gate, whose kernels have no such path)."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     dev = p.q.device
     ws = {
@@ -268,11 +285,12 @@ def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) 
         "M": torch.empty(NC, HV, CHUNK, CHUNK, dtype=torch.float32, device=dev),
         "gamma": torch.empty(NC, HV, BK, dtype=torch.float32, device=dev),
     }
+    safe = safe_gate_path(p)
+    # written by the first launch; the backward's input-gradient kernel reads them too
+    ws["far"] = far = None if safe else torch.empty(NC, HV, dtype=torch.int8, device=dev)
     if NC == 0:
         return ws
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
-    safe = safe_gate_path(p)
-    far = None if safe else torch.empty(NC, HV, dtype=torch.int8, device=dev)  # written by the first launch
     for pairwise in (False,) if safe else FAR_LAUNCHES:
         prepare_chunks_kernel[(NC, HV)](
             p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,

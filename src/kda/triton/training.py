@@ -16,7 +16,7 @@ import torch
 from kda.dispatch import note
 from kda.tables import checkpoint_rows, chunk_tables
 from kda.triton import chunk_forward, precision_for
-from kda.triton.chunk_grad import chunk_grads
+from kda.triton.chunk_grad import chunk_grads, input_grad_slices
 from kda.triton.prepare import prepare_chunks
 from kda.triton.state_grad import state_grad_chain
 from kda.validation import Problem
@@ -53,7 +53,7 @@ def backward(
     NC, HV = tables.num_chunks, p.HV
     A_log_part = dt_bias_part = None
     if p.A_log is not None:
-        A_log_part = p.q.new_zeros(NC, HV, dtype=torch.float32)
+        A_log_part = p.q.new_zeros(NC, HV, input_grad_slices(p.K, tables.BK), dtype=torch.float32)
         grads["A_log"] = A_log_part
     if p.dt_bias is not None:
         dt_bias_part = p.q.new_zeros(NC, HV, p.K, dtype=torch.float32)
@@ -70,7 +70,7 @@ def backward(
             chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision)
             note("triton:chunk_grads")
     if A_log_part is not None:
-        grads["A_log"] = A_log_part.sum(0)
+        grads["A_log"] = A_log_part.sum((0, 2))
     if dt_bias_part is not None:
         grads["dt_bias"] = dt_bias_part.sum(0).view(p.dt_bias.shape)
     grads["initial_state"] = None if dh0 is None else dh0.to(h0.dtype)
