@@ -58,6 +58,7 @@ from kda.triton.prepare import (
     chunk_decays,
     chunk_position,
     load_gate_beta,
+    load_rows,
     pair_decay,
     unit_lower_inverse,
 )
@@ -249,13 +250,6 @@ def chunk_du_grads_kernel(
 
 
 @triton.jit
-def _slice_rows(x, tok, row_ok, cols, col_ok, i_h, H, K):
-    """Rows ``tok`` of head i_h of a [.., H, K] tensor, columns ``cols``, in float32."""
-    ptrs = x + (tok[:, None] * H + i_h) * K + cols[None, :]
-    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _pair_products(b_k, G2, R, rows):
     """``sum_c k_ic k_jc exp(G_ic - G_jc)`` over the columns of a slice for every pair (i, j),
     formed from the differences (every exponent <= 0): A's unit form where the factored one
@@ -334,8 +328,8 @@ def chunk_input_grads_kernel(
         for s in tl.range(0, slices):
             cols = s * SLICE + tl.arange(0, SLICE)
             col_ok = cols < K
-            b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K)
-            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K)
+            b_q = load_rows(q, tok, row_ok, cols, col_ok, i_h, H, K)
+            b_k = load_rows(k, tok, row_ok, cols, col_ok, i_h, H, K)
             q_sq += tl.sum(b_q * b_q, axis=1)
             k_sq += tl.sum(b_k * b_k, axis=1)
         q_rstd = tl.rsqrt(q_sq + L2NORM_EPS)
@@ -353,7 +347,7 @@ def chunk_input_grads_kernel(
         for s in tl.range(0, slices):
             cols = s * SLICE + tl.arange(0, SLICE)
             col_ok = cols < K
-            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+            b_k = load_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
             b_g, b_beta, _x, _a, b_raw = load_gate_beta(
                 g, beta, A_log, dt_bias, tok, row_ok, cols, col_ok, i_hv, HV, K, lower_bound, beta_scale,
                 GATE, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
@@ -399,8 +393,8 @@ def chunk_input_grads_kernel(
         cols = s * SLICE + tl.arange(0, SLICE)
         col_ok = cols < K
         mask = row_ok[:, None] & col_ok[None, :]
-        b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
-        b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+        b_q = load_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
+        b_k = load_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
         dq_hat = tl.zeros([ROWS, SLICE], dtype=tl.float32)  # summed over the group's value heads
         dk_hat = tl.zeros([ROWS, SLICE], dtype=tl.float32)
         for i_g in tl.range(0, group):
@@ -482,8 +476,8 @@ def chunk_input_grads_kernel(
             col_ok = cols < K
             mask = row_ok[:, None] & col_ok[None, :]
             held = (i_c * HV + i_h * group) * ROWS * BK + rows[:, None] * BK + cols[None, :]
-            b_q = _slice_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
-            b_k = _slice_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
+            b_q = load_rows(q, tok, row_ok, cols, col_ok, i_h, H, K) * q_rstd[:, None]
+            b_k = load_rows(k, tok, row_ok, cols, col_ok, i_h, H, K) * k_rstd[:, None]
             d_q = q_rstd[:, None] * (tl.load(d_operands + held) - b_q * q_dot[:, None])
             d_k = k_rstd[:, None] * (tl.load(d_operands + plane + held) - b_k * k_dot[:, None])
             io = (tok[:, None] * H + i_h) * K + cols[None, :]
@@ -491,7 +485,7 @@ def chunk_input_grads_kernel(
             tl.store(dk + io, d_k.to(dk.dtype.element_ty), mask=mask)
 
 
-def chunk_grads(p, tables, ws: dict[str, torch.Tensor | None], do: torch.Tensor, checkpoints: torch.Tensor,
+def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                 dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
     """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
     backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
@@ -522,7 +516,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor | None], do: torch.Tensor,
             p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
             tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
             d_operands, d_squares, d_gamma,
-            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), ws["far"],
+            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), ws.get("far"),
             p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
             p.H, HV, p.K, BK=BK, SLICE=input_grad_slice(BK),
             GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,

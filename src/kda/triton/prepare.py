@@ -80,12 +80,19 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def load_rows(x, tok, row_ok, cols, col_ok, i_h, H, K):
+    """Rows ``tok`` of head i_h of a [.., H, K] tensor, columns ``cols`` (all of K or a slice),
+    in float32; 0 outside the masks."""
+    ptrs = x + (tok[:, None] * H + i_h) * K + cols[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def load_qk(q, k, tok, row_ok, cols, col_ok, i_h, H, K, L2NORM: tl.constexpr):
     """One chunk's rows ``tok`` of q and k (head i_h) in float32, L2-normalised when asked:
     ``(q, k, q_rstd, k_rstd)``, the rstd (1 without L2NORM) for the backward."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    b_q = tl.load(q + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_q = load_rows(q, tok, row_ok, cols, col_ok, i_h, H, K)
+    b_k = load_rows(k, tok, row_ok, cols, col_ok, i_h, H, K)
     q_rstd = tl.full([ROWS], 1.0, tl.float32)
     k_rstd = tl.full([ROWS], 1.0, tl.float32)
     if L2NORM:
@@ -271,10 +278,10 @@ def prepare_chunks_kernel(
     tl.store(gamma + (i_c * HV + i_hv) * BK + cols, whole)
 
 
-def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) -> dict[str, torch.Tensor | None]:
+def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) -> dict[str, torch.Tensor]:
     """Launch the prepare stage for every chunk of ``p`` (a checked :class:`Problem`): the
-    workspace by name, and ``far`` ([NC, HV] int8: the chunk and value head took the pairwise
-    path, ``FAR_LAUNCHES``; None for the safe gate, whose kernels have no such path)."""
+    workspace by name and, for the gates that are not safe, ``far`` ([NC, HV] int8: the chunk
+    and value head took the pairwise path, ``FAR_LAUNCHES``)."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     dev = p.q.device
     ws = {
@@ -286,8 +293,9 @@ def prepare_chunks(p, tables, workspace_dtype: torch.dtype, dot_precision: str) 
         "gamma": torch.empty(NC, HV, BK, dtype=torch.float32, device=dev),
     }
     safe = safe_gate_path(p)
-    # written by the first launch; the backward's input-gradient kernel reads them too
-    ws["far"] = far = None if safe else torch.empty(NC, HV, dtype=torch.int8, device=dev)
+    far = None  # the safe gate's kernels have no pairwise path, so no flags
+    if not safe:  # written by the first launch; the backward's input-gradient kernel reads them too
+        ws["far"] = far = torch.empty(NC, HV, dtype=torch.int8, device=dev)
     if NC == 0:
         return ws
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
