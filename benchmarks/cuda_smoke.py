@@ -1,6 +1,7 @@
-"""A small CUDA-path call for compute-sanitizer (memcheck, racecheck): varlen with an empty,
-a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states. Exits
-non-zero on a wrong answer."""
+"""Small CUDA-path calls for compute-sanitizer (memcheck, racecheck): varlen with an empty,
+a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states; then
+the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
+one token, bfloat16). Exits non-zero on a wrong answer."""
 
 import sys
 
@@ -23,5 +24,22 @@ for layout, state_dtype in ((False, torch.float32), (True, torch.float32), (True
     assert "cuda:recurrence" in events, events
     o_ref, ht_ref = fp64_reference(case)
     worst = max(worst, relative_rms(o.cpu(), o_ref), relative_rms(ht.cpu(), ht_ref))
+for layout, state_dtype, lens in ((False, torch.float32, [3, 0, 1, 2]), (True, torch.bfloat16, [1, 1, 1, 1])):
+    case = make_case(seq_lens=lens, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, state_v_first=layout,
+                     device="cuda", seed=4)  # fmt: skip
+    pool = torch.randn(5, 4, 128, 128, device="cuda").to(state_dtype)
+    slots = [4, -1, 0, 7]  # padding and an index past the pool: nothing read, nothing written
+    start = torch.stack([pool[s].float() if 0 <= s < 5 else torch.zeros_like(pool[0], dtype=torch.float32)
+                         for s in slots])  # fmt: skip
+    kw = case.kwargs(initial_state=pool)
+    kw.pop("safe_gate")
+    with kda.record_dispatch() as events:
+        o, _ = kda.fused_recurrent_kda(*case.tensors(), **kw, inplace_final_state=True,
+                                       ssm_state_indices=torch.tensor(slots, device="cuda"))  # fmt: skip
+    torch.cuda.synchronize()
+    assert "cuda:pooled_decode" in events, events
+    case.initial_state = start
+    o_ref, ht_ref = fp64_reference(case)
+    worst = max(worst, relative_rms(o.cpu(), o_ref), relative_rms(pool[4].float().cpu(), ht_ref[0]))
 print(f"cuda smoke: worst relative RMS {worst:.2e}")
 sys.exit(0 if worst <= 5e-3 else 1)

@@ -83,9 +83,10 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
         pytest.skip("the nvidia-cutlass wheel (CUTLASS headers) is not installed")
     include = Path(cutlass.submodule_search_locations[0]) / "source" / "include"
     report = {}
-    for source in ("prepare.cu", "recurrence.cu"):
+    for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {"kda_prepare", *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS)}
+    assert set(report) == {"kda_prepare", *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
+                           *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills) in report.items() if spills} == {}
     for name, ceiling in REGISTER_CEILING.items():
         assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
@@ -122,6 +123,11 @@ def test_the_compiler_lays_out_the_abi_as_ctypes_does(tmp_path):
     checks += [f"offsetof(kda::Params, {name}) == {getattr(loader.Params, name).offset} && "
                f"sizeof(kda::Params::{name}) == {getattr(loader.Params, name).size}"
                for name, _ in loader.Params._fields_]  # fmt: skip
+    checks += [f"sizeof(kda::DecodeParams) == {ctypes.sizeof(loader.DecodeParams)}"]
+    checks += [f"offsetof(kda::DecodeParams, {name}) == {getattr(loader.DecodeParams, name).offset} && "
+               f"sizeof(kda::DecodeParams::{name}) == {getattr(loader.DecodeParams, name).size}"
+               for name, _ in loader.DecodeParams._fields_]  # fmt: skip
+    checks += [f"kda::kDecodeThreads == {abi.DECODE_THREADS}"]
     checks += [f"kda::{abi.c_flag_name(name)} == {bit}" for name, bit in loader.FLAGS.items()]
     checks += [f"kda::WorkspaceLayout::{name} == {offset}" for name, (offset, _, _) in loader.WORKSPACE_FIELDS.items()]
     checks += [f"kda::kWorkspaceBytes == {loader.WORKSPACE_BYTES}", f"kda::kStages == {loader.STAGES}",

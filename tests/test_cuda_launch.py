@@ -28,16 +28,17 @@ class FakeLibcuda:
     block they point to, called like ``loader.driver_launch()``'s libcuda function (a ctypes
     function without argtypes at its address), so the arguments take the same conversions."""
 
-    def __init__(self, status: int = 0):
+    def __init__(self, status: int = 0, block: type = loader.Params):
         self.calls = []
         self.status = status
+        self.block = block  # the parameter block the launches pass (loader.DecodeParams for decode)
         self.c_function = LAUNCH_PROTOTYPE(self.record)  # kept alive while the fake is used
         self.launch = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(self.c_function, ctypes.c_void_p).value)
 
     def record(self, *args):
         argument_array = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
-        params = loader.Params.from_address(argument_array[0])
-        self.calls.append((args, loader.Params.from_buffer_copy(params)))
+        params = self.block.from_address(argument_array[0])
+        self.calls.append((args, self.block.from_buffer_copy(params)))
         return self.status
 
 
@@ -214,3 +215,52 @@ def test_small_workspaces_are_kept_per_stream_and_large_ones_allocated_per_call(
     assert (-1, 0x7000) not in forward._workspaces, "a workspace over the limit must not be kept"
     forward.release_workspaces()
     assert not forward._workspaces
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeypatch, mode):
+    """The DecodeParams block, packed positionally, field by field under its own name: a plain
+    call (mode 0), 1-D slot indices (int32) and 2-D ones (int64) with accepted counts."""
+    from kda.cuda import decode as cuda_decode
+    from kda.validation import check_pool
+
+    libcuda = FakeLibcuda(block=loader.DecodeParams)
+    kernels = load_kernels(libcuda.launch)
+    monkeypatch.setattr(loader, "kernels", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "_current_device", None)
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    lens = [2, 1, 3] if mode == 2 else None
+    case = make_case(seq_lens=lens, B=3, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound",
+                     seed=6)  # fmt: skip
+    kw = case.kwargs(state_v_first=mode == 1)
+    kw.pop("safe_gate")
+    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+    idx = accepted = None
+    if mode:
+        pool = torch.zeros(5, 4, 128, 128)
+        idx = torch.tensor([4, -1, 0], dtype=torch.int32) if mode == 1 else torch.tensor([[0, 1, 2]] * 3)
+        accepted = torch.tensor([1, 2, 3]) if mode == 2 else None
+        p = check_pool(p, pool, idx, accepted)
+    o, ht = cuda_decode.decode(p)
+    ((args, prm),) = libcuda.calls
+    h0 = p.pool if mode else p.initial_state
+    pointers = dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, A_log=p.A_log, dt_bias=p.dt_bias, h0=h0)
+    pointers |= dict(ht=p.pool if mode else ht, o=o, seq_offsets=p.cu_seqlens, indices=idx, accepted=accepted)
+    assert {name: getattr(prm, name) for name in pointers} == {
+        name: 0 if x is None else x.data_ptr() for name, x in pointers.items()
+    }
+    flags = loader.FLAGS
+    expected_flags = flags["gate_lower_bound"] | flags["has_A_log"] | flags["has_dt_bias"] | flags["l2norm"]
+    expected_flags |= flags["beta_sigmoid"] | flags["has_h0"] | flags["store_ht"]
+    expected_flags |= flags["g_float32"] | flags["beta_float32"]
+    expected_flags |= flags["varlen"] | flags["indices_int64"] | flags["accepted_int64"] if mode == 2 else 0
+    assert prm.flags == expected_flags
+    T = 6 if mode == 2 else 1
+    assert (prm.tokens, prm.num_seqs, prm.pool_slots, prm.heads, prm.value_heads) == (T, 3, 5 if mode else 3, 2, 4)
+    assert (prm.index_cols, prm.index_mode) == (3 if mode == 2 else 1, mode)
+    assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, -5.0, 1.0)
+    name = loader.DECODE_KERNELS[("float32", mode == 1, cuda_decode.DEFAULT_COLUMNS["float32"])]
+    columns = cuda_decode.DEFAULT_COLUMNS["float32"]
+    assert args[0] == int(kernels.kernels[name])
+    assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)

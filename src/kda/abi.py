@@ -43,6 +43,10 @@ FLAG_NAMES = (
     "beta_float32",  # beta is float32 (else bfloat16)
     "h0_bfloat16",  # the initial state is bfloat16 (else float32); carried in float32
     "ht_bfloat16",  # the final state is stored in bfloat16 (else float32)
+    # the decode kernel's (DecodeParams) only:
+    "varlen",  # sequences are cu_seqlens spans (else B sequences of `tokens` tokens each)
+    "indices_int64",  # slot indices are int64 (else int32)
+    "accepted_int64",  # num_accepted_tokens is int64 (else int32)
 )
 FLAGS = {name: 1 << bit for bit, name in enumerate(FLAG_NAMES)}
 
@@ -72,6 +76,46 @@ PARAMS = (
     ("lower_bound", "double", "f64"),
     ("beta_scale", "double", "f64"),  # 1, or 2 with allow_neg_eigval
 )
+
+# kda::DecodeParams, the decode kernel's block (decode.cu), mirrored the same way: one token
+# loop per (sequence, value head, V slice), the state through a pool of `pool_slots` slots.
+DECODE_PARAMS = (
+    ("q", "const __nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("k", "const __nv_bfloat16*", "ptr"),  # [T_total, H, 128]
+    ("v", "const __nv_bfloat16*", "ptr"),  # [T_total, HV, 128]
+    ("g", "const void*", "ptr"),  # [T_total, HV, 128], bf16 or fp32 (g_float32)
+    ("beta", "const void*", "ptr"),  # [T_total, HV], bf16 or fp32 (beta_float32)
+    ("A_log", "const float*", "ptr"),  # [HV]
+    ("dt_bias", "const float*", "ptr"),  # [HV, 128]
+    ("h0", "const void*", "ptr"),  # [P, HV, 128, 128] in the state dtype (the pool, or initial states)
+    ("ht", "void*", "ptr"),  # [P, HV, 128, 128] in the state dtype (the pool, or final states)
+    ("o", "__nv_bfloat16*", "ptr"),  # [T_total, HV, 128]
+    ("seq_offsets", "const int64_t*", "ptr"),  # [N + 1] token offsets (varlen)
+    ("indices", "const void*", "ptr"),  # [N] or [N, index_cols] slots, int32 or int64 (indices_int64)
+    ("accepted", "const void*", "ptr"),  # [N] accepted tokens (2-D indices), int32 or int64, or null
+    ("tokens", "int64_t", "i64"),  # tokens per sequence (batched) or in all (varlen)
+    ("num_seqs", "int64_t", "i64"),
+    ("pool_slots", "int64_t", "i64"),  # P: a slot outside [0, P) is read as zeros and never written
+    ("heads", "int64_t", "i64"),  # H (q, k)
+    ("value_heads", "int64_t", "i64"),  # HV (v, g, beta, states), a multiple of H
+    ("index_cols", "int64_t", "i64"),  # S of 2-D indices (1 otherwise)
+    ("index_mode", "int64_t", "i64"),  # 0: slot n; 1: indices[n]; 2: indices[n, t] (read at accepted - 1)
+    ("flags", "int64_t", "i64"),
+    ("scale", "double", "f64"),
+    ("lower_bound", "double", "f64"),
+    ("beta_scale", "double", "f64"),
+)
+DECODE_THREADS = 128  # threads of a decode CTA (one per K index in the token prologue)
+# V columns of a decode CTA (one entry point each and state dtype): the state slice [128, BV]
+# it stages in shared memory, BV x 128 x (4 or 2) bytes.
+DECODE_COLUMNS = (32, 64)
+DECODE_STATE_DTYPES = ("float32", "bfloat16")
+
+
+def decode_kernel_name(state_dtype: str, v_first: bool, columns: int) -> str:
+    """The decode entry point for a state dtype, layout and CTA width (decode.cu defines each)."""
+    return f"kda_decode_{'bf16' if state_dtype == 'bfloat16' else 'f32'}_{'vk' if v_first else 'kv'}_c{columns}"
+
 
 # The workspace of one (chunk, head), written by prepare and read once by the recurrence (one
 # bulk copy into shared memory): (name, dtype, shape), stored back to back in this order.
@@ -145,6 +189,14 @@ def header() -> str:
         "};",
         f"constexpr int kParamsFields = {len(PARAMS)};",
         'static_assert(sizeof(Params) == 8 * kParamsFields, "Params: 8-byte fields only (mirrored by ctypes)");',
+        "",
+        "struct DecodeParams {",
+        *(f"  {ctype} {name};" for name, ctype, _ in DECODE_PARAMS),
+        "};",
+        f"constexpr int kDecodeParamsFields = {len(DECODE_PARAMS)};",
+        "static_assert(sizeof(DecodeParams) == 8 * kDecodeParamsFields, "
+        '"DecodeParams: 8-byte fields only (mirrored by ctypes)");',
+        f"constexpr int kDecodeThreads = {DECODE_THREADS};",
         "",
         "struct WorkspaceLayout {",
         *(f"  static constexpr int {name} = {offset};" for name, (offset, _, _) in WORKSPACE_FIELDS.items()),

@@ -84,14 +84,16 @@ def contenders(mode: str) -> dict:
 
     pool = mode == "pool"
 
-    def kda_call(t, kw):
+    def kda_call(t, kw, backend="auto"):
         if pool:
             N = t[0].shape[0]
-            return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True,
-                                           ssm_state_indices=kw_indices(N))  # fmt: skip
-        return kda.fused_recurrent_kda(*t, **kw, output_final_state=True)
+            return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N),
+                                           backend=backend)  # fmt: skip
+        return kda.fused_recurrent_kda(*t, **kw, output_final_state=True, backend=backend)
 
-    calls = {"kda": kda_call}
+    calls = {"kda": kda_call}  # auto: the CUDA decode kernel where built, else Triton's
+    if any(b.name == "cuda" and b.available for b in kda.backends()):
+        calls["kda_triton"] = lambda t, kw: kda_call(t, kw, backend="triton")
     if importlib.util.find_spec("fla") is not None:
         os.environ["FLA_FLASH_KDA"] = "0"
         from fla.ops.kda import fused_recurrent_kda as fla_decode
@@ -153,6 +155,30 @@ def sweep(N: int) -> dict:
                     out[name] = graph_ms(lambda bv=bv, w=warps, s=stream: decode(p, block_v=bv, num_warps=w, stream=s))
                 except Exception as e:  # noqa: BLE001 - a shape that does not compile is a result too
                     out[name] = f"{type(e).__name__}"
+    return out
+
+
+def cuda_sweep(N: int) -> dict:
+    """The CUDA decode kernel's graph-replay time at each CTA width, plain call and pool, both
+    state dtypes (columns -> ms)."""
+    import kda
+    from kda import abi
+    from kda.api import checked_problem
+    from kda.cuda.decode import decode
+    from kda.validation import check_pool
+
+    out = {}
+    for state_dtype in (torch.float32, torch.bfloat16):
+        t, kw = decode_inputs(N, state_dtype=state_dtype)
+        plain = checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True,
+                                final_state_dtype=state_dtype)  # fmt: skip
+        kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
+        pool = check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N),
+                          None)  # fmt: skip
+        for mode, p in (("plain", plain), ("pool", pool)):
+            for columns in abi.DECODE_COLUMNS:
+                name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
+                out[name] = graph_ms(lambda p=p, c=columns: decode(p, c))
     return out
 
 
@@ -261,6 +287,8 @@ def prefill(seed: int = 3) -> dict:
 
 
 def decode_main(args) -> int:
+    import kda
+
     report, copy_tbps, stem = report_header(
         "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
         __doc__.split("Shapes: ")[1].strip(),
@@ -295,6 +323,11 @@ def decode_main(args) -> int:
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
                 if "fla_graph_ms" in row and "kda_graph_ms" in row:
                     row["ratio_graph"] = row["kda_graph_ms"] / row["fla_graph_ms"]
+                if "fla_graph_ms" in row and "kda_triton_graph_ms" in row:
+                    row["ratio_triton_graph"] = row["kda_triton_graph_ms"] / row["fla_graph_ms"]
+                with kda.record_dispatch() as events:
+                    calls["kda"](t, kw_kda)
+                row["kda_ran"] = ",".join(e for e in events if ":" in e)
                 for name in calls:
                     if f"{name}_graph_ms" in row:
                         row[f"{name}_bandwidth_fraction"] = floor / row[f"{name}_graph_ms"]
@@ -304,6 +337,9 @@ def decode_main(args) -> int:
     report["prefill_varlen"] = prefill()
     report["layouts_fp32_plain"] = {N: layouts(N) for N in DECODE_SEQUENCES}
     print("layouts", report["layouts_fp32_plain"], flush=True)
+    if any(b.name == "cuda" and b.available for b in kda.backends()):
+        report["cuda_sweep"] = {N: cuda_sweep(N) for N in DECODE_SEQUENCES}
+        print("cuda sweep", report["cuda_sweep"], flush=True)
     if not args.quick:  # --quick: the cases alone
         report["sweep_fp32_plain"] = {N: sweep(N) for N in DECODE_SEQUENCES}
         print("sweep", report["sweep_fp32_plain"], flush=True)
@@ -321,8 +357,8 @@ def markdown_table(report: dict) -> str:
         f"Versions: {report['versions']}",
         "",
         "| state | mode | N | floor ms | state copy ms | kda graph ms | fla graph ms | kda / fla | kda BW frac "
-        "| fla BW frac | kda eager ms | fla eager ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fla BW frac | kda eager ms | fla eager ms | kda ran | kda triton graph ms | triton / fla |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
 
     def f(row, key, fmt="{:.4f}"):
@@ -333,7 +369,8 @@ def markdown_table(report: dict) -> str:
             f"| {r['state']} | {r['mode']} | {r['N']} | {f(r, 'floor_ms')} | {f(r, 'state_copy_graph_ms')} "
             f"| {f(r, 'kda_graph_ms')} "
             f"| {f(r, 'fla_graph_ms')} | {f(r, 'ratio_graph', '{:.3f}')} | {f(r, 'kda_bandwidth_fraction', '{:.2f}')} "
-            f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} |"
+            f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} "
+            f"| {r.get('kda_ran', '-')} | {f(r, 'kda_triton_graph_ms')} | {f(r, 'ratio_triton_graph', '{:.3f}')} |"
         )
     acc = report.get("accuracy_vs_fp64_N32_T4", {})
     if acc:
@@ -345,6 +382,10 @@ def markdown_table(report: dict) -> str:
                   f"(mean {pre['mean_tokens']:.0f} tokens), eager: "
                   + "; ".join(f"{n} {pre[n]['eager_ms']:.4f} ms per call, host {pre[n]['host_ms']:.4f} ms, "
                               f"syncs: {pre[n]['host_sync']}" for n in ("kda", "fla") if n in pre)]  # fmt: skip
+    sweep_cuda = report.get("cuda_sweep")
+    if sweep_cuda:
+        lines += ["", "CUDA decode kernel by CTA width (graph ms): " + "; ".join(
+            f"N={n}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()) for n, r in sweep_cuda.items())]  # fmt: skip
     lay = report.get("layouts_fp32_plain")
     if lay:
         lines += ["", "kda, fp32 plain, state layout (graph ms, [N,H,K,V] / [N,H,V,K]): " + "; ".join(

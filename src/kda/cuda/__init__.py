@@ -4,8 +4,9 @@
 
 It covers bf16 inputs with K = V = 128, H = HV, the lower-bound gate or a precomputed g,
 varlen and batched, float32 or bfloat16 states in either layout (carried in float32), on
-sm_90 GPUs. Anything else is refused with the reason and ``backend="auto"`` moves on to
-Triton.
+sm_90 GPUs. Decode shapes (``dispatch.prefers_decode``) and state pools run the decode kernel
+of ``decode.cu`` instead (:mod:`kda.cuda.decode`), which also takes grouped value heads.
+Anything else is refused with the reason and ``backend="auto"`` moves on to Triton.
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
 (``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
@@ -50,7 +51,7 @@ def _static_availability() -> str | None:
     folder = loader.artefact_dir()
     if folder is None:
         return (
-            "CUDA kernels not built: no prepare.fatbin / recurrence.fatbin beside kda/cuda "
+            "CUDA kernels not built: no prepare.fatbin / recurrence.fatbin / decode.fatbin beside kda/cuda "
             "(pip install . with nvcc and the nvidia-cutlass headers present builds them)"
         )
     try:
@@ -93,8 +94,10 @@ class CudaBackend:
         return _static_availability()
 
     def auto_rejects(self, p: Problem) -> str | None:
-        if prefers_decode(p):
-            return f"short sequences (the longest has {p.longest} tokens): Triton's one-launch decode runs them"
+        if p.pool is None and prefers_decode(p):
+            reason = _decode().decode_rejects(p)
+            if reason is not None:
+                return f"short sequences (the longest has {p.longest} tokens) with {reason}: Triton's decode runs them"
         return None
 
     def rejects(self, p: Problem) -> str | None:
@@ -102,13 +105,17 @@ class CudaBackend:
         then where the tensors live (so the reasons read the same on any machine)."""
         q = p.q
         if p.pool is not None:
-            return "state pools (the Triton decode kernel takes them)"
+            if torch.compiler.is_compiling():
+                return "state pools under torch.compile (the Triton decode kernel traces)"
+            reason = _decode().decode_rejects(p)
+            if reason is not None:
+                return f"this state pool: {reason}"
         if q.dtype != torch.bfloat16:
             return f"dtype {q.dtype} (the CUDA kernels take bfloat16; Triton takes the rest)"
         if p.K != 128 or p.V != 128:
             return f"head dims K={p.K}, V={p.V} (the CUDA kernels take K = V = 128)"
-        if p.HV != p.H:
-            return f"grouped value heads HV={p.HV} != H={p.H}"
+        if p.HV != p.H and not _decodes(p):
+            return f"grouped value heads HV={p.HV} != H={p.H} (the CUDA decode kernel takes them on short sequences)"
         if p.gate_form == "softplus":
             return "the softplus gate (unbounded; the CUDA kernels take the lower-bound gate or a precomputed g)"
         if p.g.dtype not in READ_DTYPES or p.beta.dtype not in READ_DTYPES:
@@ -131,7 +138,22 @@ class CudaBackend:
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p, use_cuda=True)
+        if _decodes(p):
+            return _decode().decode(p)
         return _chunk_forward()(p)
+
+
+def _decodes(p: Problem) -> bool:
+    """Whether ``p`` runs on the decode kernel: a pool, or a decode shape the kernel takes."""
+    return p.pool is not None or (prefers_decode(p) and _decode().decode_rejects(p) is None)
+
+
+@cache
+def _decode():
+    """kda.cuda.decode, imported once at first use (see _chunk_forward)."""
+    import kda.cuda.decode
+
+    return kda.cuda.decode
 
 
 @cache

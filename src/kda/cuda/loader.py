@@ -1,13 +1,14 @@
 """Find, load and launch the built Hopper kernels through cuda-python (cuda-bindings).
 
-The build (``CMakeLists.txt``) leaves ``prepare.fatbin`` and ``recurrence.fatbin`` beside
-this file. They are loaded once per process as context-independent libraries
-(``cuLibraryLoadData``), so one load serves every GPU, and launched with ``cuLaunchKernel``
-on torch's current stream: libcuda's own entry point called through ctypes, or
-cuda-bindings' wrapper where ``libcuda.so.1`` cannot be opened by name. Both kernels take
-one by-value :class:`Params` block; its bytes live in a ctypes structure filled in place
-with one ``struct.pack_into``, and the launch passes the address of a prebuilt one-entry
-pointer array, so no per-call argument packing happens in Python.
+The build (``CMakeLists.txt``) leaves ``prepare.fatbin``, ``recurrence.fatbin`` and
+``decode.fatbin`` beside this file. They are loaded once per process as context-independent
+libraries (``cuLibraryLoadData``), so one load serves every GPU, and launched with
+``cuLaunchKernel`` on torch's current stream: libcuda's own entry point called through ctypes,
+or cuda-bindings' wrapper where ``libcuda.so.1`` cannot be opened by name. The chunk kernels
+take one by-value :class:`Params` block, the decode kernels a :class:`DecodeParams` block; its
+bytes live in a ctypes structure filled in place with one ``struct.pack_into``, and the launch
+passes the address of a prebuilt one-entry pointer array, so no per-call argument packing
+happens in Python.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from kda import abi
 
-ARTEFACTS = ("prepare.fatbin", "recurrence.fatbin")
+ARTEFACTS = ("prepare.fatbin", "recurrence.fatbin", "decode.fatbin")
 # What the kernels share with Python, from the one source the build also generates their
 # header from (src/kda/abi.py -> kda_abi.h): nothing below is a hand copy of the C++ side.
 WORKSPACE_BYTES = abi.WORKSPACE_BYTES  # per (chunk, head)
@@ -41,11 +42,30 @@ class Params(ctypes.Structure):
     _fields_ = [(name, _CTYPES[kind]) for name, _, kind in abi.PARAMS]
 
 
-assert ctypes.sizeof(Params) == 8 * len(abi.PARAMS)
-# Params as one struct.pack_into (the ctypes fields' own type codes, native layout): filling
-# the block per call then costs one C call instead of 22 ctypes attribute sets (0.45 us vs 1.3).
-PARAMS_LAYOUT = struct.Struct("@" + "".join(ctype._type_ for _, ctype in Params._fields_))
-assert PARAMS_LAYOUT.size == ctypes.sizeof(Params)
+class DecodeParams(ctypes.Structure):
+    """``kda::DecodeParams`` (abi.DECODE_PARAMS): 8-byte fields, in order."""
+
+    _fields_ = [(name, _CTYPES[kind]) for name, _, kind in abi.DECODE_PARAMS]
+
+
+def _packing(block: type[ctypes.Structure]) -> struct.Struct:
+    """A block as one struct.pack_into (the ctypes fields' own type codes, native layout):
+    filling it per call then costs one C call instead of 22 ctypes attribute sets (0.45 us vs 1.3)."""
+    assert ctypes.sizeof(block) == 8 * len(block._fields_)
+    layout = struct.Struct("@" + "".join(ctype._type_ for _, ctype in block._fields_))
+    assert layout.size == ctypes.sizeof(block)
+    return layout
+
+
+PARAMS_LAYOUT = _packing(Params)
+DECODE_PARAMS_LAYOUT = _packing(DecodeParams)
+# Every decode entry point: (state dtype, V first, columns) -> name (decode.cu)
+DECODE_KERNELS = {
+    (dtype, v_first, columns): abi.decode_kernel_name(dtype, v_first, columns)
+    for dtype in abi.DECODE_STATE_DTYPES
+    for v_first in (False, True)
+    for columns in abi.DECODE_COLUMNS
+}
 
 
 def driver_launch():
@@ -146,6 +166,7 @@ class Kernels:
         entry_points = {
             "prepare.fatbin": ("kda_prepare",),
             "recurrence.fatbin": tuple(name for name, _ in RECURRENCE_KERNELS.values()),
+            "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
         for artefact, names in entry_points.items():
             image = (folder / artefact).read_bytes()
@@ -155,6 +176,8 @@ class Kernels:
                 self.kernels[name] = check(driver.cuLibraryGetKernel(library, name.encode()), f"finding {name}")
         self.params = Params()
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.decode_params = DecodeParams()
+        self.decode_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.decode_params))
         self.configured_devices: set[int] = set()
         self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
@@ -162,10 +185,15 @@ class Kernels:
         # The direct launch's pointer arguments that never change, as ctypes pointers once.
         self.handles = {name: ctypes.c_void_p(int(kernel)) for name, kernel in self.kernels.items()}
         self.arguments_pointer = ctypes.c_void_p(ctypes.addressof(self.argument_array))
+        self.decode_arguments_pointer = ctypes.c_void_p(ctypes.addressof(self.decode_argument_array))
 
     def set_params(self, values: tuple) -> None:
         """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
         PARAMS_LAYOUT.pack_into(self.params, 0, *values)
+
+    def set_decode_params(self, values: tuple) -> None:
+        """Write the :class:`DecodeParams` block: ``values`` in field order (hold :attr:`lock`)."""
+        DECODE_PARAMS_LAYOUT.pack_into(self.decode_params, 0, *values)
 
     def bind_context(self, device_index: int) -> None:
         """Once per thread and device: make sure a context is current for the launches. The
@@ -208,23 +236,26 @@ class Kernels:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
 
-    def launch(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
-        """Launch ``name`` with the current contents of :attr:`params` (the driver copies
-        them at launch, so the block may be refilled for the next launch at once)."""
+    def launch(
+        self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, decode: bool = False
+    ) -> None:
+        """Launch ``name`` with the current contents of :attr:`params` (:attr:`decode_params`
+        for a decode kernel; the driver copies them at launch, so the block may be refilled
+        for the next launch at once)."""
         if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
             raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
         if self.direct_launch is None:
             check(
                 self.driver.cuLaunchKernel(
-                    self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem,
-                    stream, ctypes.addressof(self.argument_array), 0,
+                    self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem, stream,
+                    ctypes.addressof(self.decode_argument_array if decode else self.argument_array), 0,
                 ),
                 f"launching {name}",
             )  # fmt: skip
             return
         status = self.direct_launch(
             self.handles[name], grid[0], grid[1], 1, threads, 1, 1, smem,
-            ctypes.c_void_p(stream), self.arguments_pointer, None,
+            ctypes.c_void_p(stream), self.decode_arguments_pointer if decode else self.arguments_pointer, None,
         )  # fmt: skip
         if status:
             self.launch_failed(name, status)

@@ -1,0 +1,122 @@
+"""The CUDA decode step (decode.cu): fill the DecodeParams block from a checked Problem and
+launch one CTA per (sequence, value head, slice of V columns).
+
+It takes what the CUDA chunk path takes (bf16 q, k, v; K = V = 128; the lower-bound gate or a
+precomputed g, read in bf16 or fp32) plus grouped value heads and state pools with 1-D or 2-D
+slot indices; the state in float32 or bfloat16, the same dtype in and out. The kernel keeps
+the state in its own dtype between a sequence's tokens, so a bfloat16 state is taken only
+where every sequence has one token (the Triton decode kernel carries it in float32 otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda import abi
+from kda.cuda import loader
+from kda.cuda.forward import (
+    FLAG_BETA_FLOAT32,
+    FLAG_BETA_SIGMOID,
+    FLAG_G_FLOAT32,
+    FLAG_GATE_LOWER_BOUND,
+    FLAG_HAS_A_LOG,
+    FLAG_HAS_DT_BIAS,
+    FLAG_HAS_H0,
+    FLAG_L2NORM,
+    FLAG_STORE_HT,
+    _launch_context,
+)
+from kda.dispatch import note, on_device
+from kda.intmath import cdiv
+from kda.validation import Problem
+
+FLAG_VARLEN = abi.FLAGS["varlen"]
+FLAG_INDICES_INT64 = abi.FLAGS["indices_int64"]
+FLAG_ACCEPTED_INT64 = abi.FLAGS["accepted_int64"]
+STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# V columns of a CTA by state dtype: a 16 KB slice either way (benchmarks/NOTES.md, 2026-12-02)
+DEFAULT_COLUMNS = {"float32": 32, "bfloat16": 64}
+
+
+def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the state read, the state written) of a call: the pool for both, or the initial state
+    and (when asked for) the final state to be."""
+    if p.pool is not None:
+        return p.pool, p.pool
+    return p.initial_state, None
+
+
+def decode_rejects(p: Problem) -> str | None:
+    """What of ``p`` the decode kernel does not cover (beyond the CUDA backend's own checks of
+    dtypes, head dims, the gate and the device), or None."""
+    h0, _ = state_tensors(p)
+    dtype = h0.dtype if h0 is not None else p.final_state_dtype
+    if dtype not in STATE_DTYPES:
+        return f"a {dtype} state (the CUDA decode kernel takes float32 or bfloat16)"
+    if p.pool is None and p.output_final_state and p.final_state_dtype != dtype:
+        return f"a {dtype} initial state with a {p.final_state_dtype} final state (one dtype in and out)"
+    if dtype == torch.bfloat16 and (p.T != 1 if p.cu_seqlens is None else p.lengths_unchecked or p.longest > 1):
+        return "bfloat16 states over more than one token a sequence (kept in bfloat16 between tokens)"
+    if h0 is not None and h0.data_ptr() % 16:
+        return "a state that is not 16-byte aligned (a view at an odd offset)"
+    return None
+
+
+def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``p`` (accepted by :func:`decode_rejects` and the CUDA backend) in one launch:
+    ``(o, final state)``, a pool updated in place. ``columns``: V columns a CTA (one of
+    abi.DECODE_COLUMNS; benchmarks compare them)."""
+    kernels, device_index, stream, _ = _launch_context(p)
+    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
+    h0, ht = state_tensors(p)
+    if p.pool is None and p.output_final_state:
+        ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
+    if p.N * p.HV == 0:
+        return o, ht
+    dtype = STATE_DTYPES[h0.dtype if h0 is not None else p.final_state_dtype]
+    columns = columns or DEFAULT_COLUMNS[dtype]
+    if columns not in abi.DECODE_COLUMNS:
+        raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
+    idx = p.state_indices
+    mode = 0 if idx is None else idx.dim()
+    bits = 0
+    if p.gate_form == "lower_bound":
+        bits = FLAG_GATE_LOWER_BOUND
+        if p.A_log is not None:
+            bits |= FLAG_HAS_A_LOG
+        if p.dt_bias is not None:
+            bits |= FLAG_HAS_DT_BIAS
+    if p.use_qk_l2norm:
+        bits |= FLAG_L2NORM
+    if p.use_beta_sigmoid:
+        bits |= FLAG_BETA_SIGMOID
+    if h0 is not None:
+        bits |= FLAG_HAS_H0
+    if ht is not None:
+        bits |= FLAG_STORE_HT
+    if p.g.dtype == torch.float32:
+        bits |= FLAG_G_FLOAT32
+    if p.beta.dtype == torch.float32:
+        bits |= FLAG_BETA_FLOAT32
+    if p.cu_seqlens is not None:
+        bits |= FLAG_VARLEN
+    if idx is not None and idx.dtype == torch.int64:
+        bits |= FLAG_INDICES_INT64
+    if p.accepted is not None and p.accepted.dtype == torch.int64:
+        bits |= FLAG_ACCEPTED_INT64
+    params = (  # loader.DecodeParams, field by field
+        p.q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
+        0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(), o.data_ptr(),
+        0 if p.cu_seqlens is None else p.cu_seqlens.data_ptr(), 0 if idx is None else idx.data_ptr(),
+        0 if p.accepted is None else p.accepted.data_ptr(),
+        p.T, p.N, p.N if p.pool is None else p.pool.shape[0], p.H, p.HV, idx.shape[1] if mode == 2 else 1, mode,
+        bits, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+    )  # fmt: skip
+    name = loader.DECODE_KERNELS[(dtype, p.state_v_first, columns)]
+    with on_device(device_index), kernels.lock:
+        kernels.bind_context(device_index)
+        kernels.set_decode_params(params)
+        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, decode=True)
+    note("cuda:pooled_decode" if p.pool is not None else "cuda:decode")
+    return o, ht
