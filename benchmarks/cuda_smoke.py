@@ -33,9 +33,10 @@ for layout, state_dtype, lens in ((False, torch.float32, [3, 0, 1, 2]), (True, t
                          for s in slots])  # fmt: skip
     kw = case.kwargs(initial_state=pool)
     kw.pop("safe_gate")
+    idx = torch.tensor(slots, device="cuda")
     with kda.record_dispatch() as events:
-        o, _ = kda.fused_recurrent_kda(*case.tensors(), **kw, inplace_final_state=True,
-                                       ssm_state_indices=torch.tensor(slots, device="cuda"))  # fmt: skip
+        o, _ = kda.fused_recurrent_kda(*case.tensors(), **kw, inplace_final_state=True, ssm_state_indices=idx,
+                                       backend="cuda")  # fmt: skip
     torch.cuda.synchronize()
     assert "cuda:pooled_decode" in events, events
     case.initial_state = start

@@ -125,6 +125,14 @@ fi
 if [[ $step == *long* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
 fi
-if [[ $step == *decode* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
+if [[ $step == *decodeprof* ]]; then  # ncu of decode configurations: DECODE_PROFILES="cuda,bfloat16,plain,256 triton,float32,plain,256,16"
+  for cfg in ${DECODE_PROFILES:-cuda,bfloat16,plain,256}; do
+    timeout 120 ncu --kernel-name regex:"kda_decode|decode_kernel" --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+      --section LaunchStats --section MemoryWorkloadAnalysis python3 benchmarks/decode_profile.py ${cfg//,/ } \
+      > "$OUT/ncu-decode-${cfg//,/-}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Issued Ipc|No Eligible|Stall|One or More|Warp Cycles Per Issued|Theoretical Occ|Block Limit" "$OUT/ncu-decode-${cfg//,/-}.log" | head -40
+  done
+fi
+if [[ $step == *decode* && $step != *decodeprof* ]] || [[ $step == *decodebench* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi

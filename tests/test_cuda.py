@@ -377,7 +377,9 @@ def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, wit
     # On unless turned off (hypothesis examples share no fixtures).
     with mock.patch.object(kda.cuda, "TURNED_OFF", False), kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(**over, **state_out))
-    assert "cuda:recurrence" in events
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(**over, **state_out))
+    # sequences of at most dispatch.CHUNK_DECODE_TOKENS go to the decode kernel where it takes them
+    assert ("cuda:decode" if kda.cuda._decodes(p) else "cuda:recurrence") in events, events
     assert ht.dtype == (torch.bfloat16 if bf16_final else torch.float32)
     o_tr, ht_tr = kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs(**over, **state_out))
     c64 = case.to(torch.float64)  # a bf16 initial state converts exactly

@@ -100,7 +100,7 @@ def test_gpu_cuda_pool_reads_and_writes_the_named_slots_only(pool_dtype, layout,
     idx = torch.tensor(slots, dtype=index_dtype, device="cuda")
     with kda.record_dispatch() as events:
         o, out = kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case, initial_state=pool),
-                                         inplace_final_state=True, ssm_state_indices=idx)  # fmt: skip
+                                         inplace_final_state=True, ssm_state_indices=idx, backend="cuda")  # fmt: skip
     assert out is pool and "cuda:pooled_decode" in events, events
     case.initial_state = start_states(before, slots)
     o_ref, ht_ref = fp64_reference(case)
@@ -126,7 +126,7 @@ def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens():
     with kda.record_dispatch() as events:
         o, _ = kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case, initial_state=pool),
                                        inplace_final_state=True, ssm_state_indices=idx,
-                                       num_accepted_tokens=accepted)  # fmt: skip
+                                       num_accepted_tokens=accepted, backend="cuda")  # fmt: skip
     assert "cuda:pooled_decode" in events, events
     c64 = case.to(torch.float64, "cpu")
     model = before.double().cpu()
@@ -142,18 +142,34 @@ def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens():
             assert torch.equal(pool[s], before[s]), f"slot {s}, not named, changed"
 
 
-def test_gpu_auto_runs_decode_shapes_on_cuda_and_bf16_multi_token_states_on_triton():
-    case = decode_case(B=4, T=3, HV=4, group=2, seed=35)
-    with kda.record_dispatch() as events:
-        kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case))
-    assert events[:2] == ["fused_recurrent_kda -> cuda", "cuda:decode"], events
+def test_gpu_auto_runs_bf16_decode_grids_on_cuda_and_the_rest_on_triton():
+    """auto takes the CUDA kernel where it measured faster (kda.cuda.decode.auto_refusal):
+    one-token bf16 states over 1024 sequence-heads; float32 states, small grids and bf16
+    states over several tokens go to Triton's decode kernel, and the refusal says why."""
+    from kda.cuda.decode import AUTO_MIN_PAIRS
+
+    case = decode_case(B=AUTO_MIN_PAIRS // 4, T=1, HV=4, group=2, seed=35)
     case.initial_state = case.initial_state.bfloat16()
     kw = recurrent_kwargs(case, final_state_dtype=torch.bfloat16)
     with kda.record_dispatch() as events:
         o, ht = kda.fused_recurrent_kda(*case.tensors(), **kw)
-    assert events[:2] == ["fused_recurrent_kda -> triton", "triton:decode"], events
-    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
-    assert "bfloat16 states over more than one token" in BACKEND.auto_rejects(p)
+    assert events[:2] == ["fused_recurrent_kda -> cuda", "cuda:decode"], events
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, O_BAR, "o")
+    assert_close_fp64(ht, ht_ref, STATE_BAR[torch.bfloat16], "final state")
+    for over, says in (
+        (dict(initial_state=case.initial_state.float(), final_state_dtype=torch.float32), "float32 states"),
+        (dict(B=8), "32 (sequence, head) pairs"),
+        (dict(T=3), "bfloat16 states over more than one token"),
+    ):
+        small = decode_case(B=over.pop("B", AUTO_MIN_PAIRS // 4), T=over.pop("T", 1), HV=4, group=2, seed=36)
+        small.initial_state = over.pop("initial_state", small.initial_state.bfloat16())
+        kw = recurrent_kwargs(small, **{"final_state_dtype": torch.bfloat16, **over})
+        with kda.record_dispatch() as events:
+            kda.fused_recurrent_kda(*small.tensors(), **kw)
+        assert events[:2] == ["fused_recurrent_kda -> triton", "triton:decode"], (says, events)
+        p = checked_problem(kda.fused_recurrent_kda, *small.tensors(), **kw)
+        assert says in BACKEND.auto_rejects(p), BACKEND.auto_rejects(p)
 
 
 def test_gpu_cuda_pool_decode_replays_in_a_graph_with_new_indices_and_tokens():
@@ -164,7 +180,10 @@ def test_gpu_cuda_pool_decode_replays_in_a_graph_with_new_indices_and_tokens():
     idx = torch.tensor([0, 3, -1, 8, 2, 5], dtype=torch.int32, device="cuda")
     args = list(case.tensors())
     kw = recurrent_kwargs(case, initial_state=pool)
-    call = lambda: kda.fused_recurrent_kda(*args, **kw, inplace_final_state=True, ssm_state_indices=idx)  # noqa: E731
+
+    def call():
+        return kda.fused_recurrent_kda(*args, **kw, inplace_final_state=True, ssm_state_indices=idx, backend="cuda")
+
     start = pool.clone()
     call()  # warm
     graph = torch.cuda.CUDAGraph()

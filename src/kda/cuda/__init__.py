@@ -94,10 +94,10 @@ class CudaBackend:
         return _static_availability()
 
     def auto_rejects(self, p: Problem) -> str | None:
-        if p.pool is None and prefers_decode(p):
-            reason = _decode().decode_rejects(p)
+        if p.pool is not None or prefers_decode(p):
+            reason = _decode().decode_rejects(p) or _decode().auto_refusal(p)
             if reason is not None:
-                return f"short sequences (the longest has {p.longest} tokens) with {reason}: Triton's decode runs them"
+                return f"a decode step with {reason}: Triton's decode kernel runs it"
         return None
 
     def rejects(self, p: Problem) -> str | None:

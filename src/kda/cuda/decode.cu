@@ -1,22 +1,25 @@
 // The decode step on Hopper (spec section 7): one CTA per (sequence, value head, slice of BV
 // V columns) runs the token loop of reference.pooled_recurrent_kda over its sequence's tokens,
 //   S = S Diag(exp(g_t)),  u = beta_t (v_t - S^T k_t),  S += k_t u^T,  o_t = scale S^T q_t,
-// with the state slice [128, BV] staged in shared memory, read once and written once.
+// with the state slice [128, BV] read once and written once.
 //
-// Why shared memory and not registers (the Triton kernel's way): a decode step is a copy of the
-// states with a little arithmetic, and a copy is as fast as the bytes it keeps in flight. A
-// slice held in registers costs four bytes of register file per state element for the whole
-// life of the program, so an SM holds at most ~60 KB of bf16 states in flight that way. Here
-// the slice arrives by cp.async (no registers while in flight), each thread then owns 32 or 64
-// elements of it in shared memory, and registers hold only the token's sums: about ten 16 KB
-// slices per SM are in flight. (benchmarks/NOTES.md, 2026-12-02, has the measurements.)
+// A decode step is a copy of the states with a little arithmetic: it runs at the rate of the
+// state bytes it keeps in flight and of the shared-memory and issue slots it spends per
+// element. The slice arrives by cp.async into shared memory, so the bytes in flight hold no
+// registers (ten 16 KB slices an SM). Each thread owns 16-byte runs of the slice, contiguous in
+// memory and adjacent across a warp for either layout: it copies them itself (so it waits for
+// its own copies only, with no barrier) and reads and writes them with 16-byte accesses; the
+// token's per-K vectors (decay d, k, d k, d q) are one 16-byte broadcast read a run.
+// (benchmarks/NOTES.md, 2026-12-02, has the versions measured: one thread a column with
+// scalar reads had ncu's L1/shared pipe 93% busy at 56% of DRAM bandwidth; the runs held in
+// registers, loaded without shared memory, held fewer slices in flight and ran slower.)
 //
 // Per token: a prologue gives each thread one K index (q, k, the gate and its decay; the sums
 // q.q, k.k and q.k over K for the l2norm), then one pass over the thread's elements forms both
-// sums over K, (S d).k and (S d).q, so that o needs no second pass after the update:
-//   o = scale (S d + k u^T)^T q = scale ((S d)^T q + u (k.q)).
-// A second pass writes S d + k u^T back. The state stays in its own dtype between tokens, so
-// the host sends a bf16 state here only for one token a sequence (kda/cuda/decode.py).
+// sums over K, (S d).k and (S d).q, so that o needs no pass after the update:
+//   o = scale (S d + k u^T)^T q = scale ((S d)^T q + u (k.q)),
+// and a second pass, in registers, forms S d + k u^T. The state stays in its own dtype between
+// tokens, so the host sends a bf16 state here only for one token a sequence (kda/cuda/decode.py).
 //
 // Slots (DecodeParams::index_mode): 0, sequence n is slot n (a plain call: h0 and ht are N
 // states); 1, slot indices[n]; 2, indices[n, t] receives the state after token t and the first
@@ -38,105 +41,100 @@ __device__ __forceinline__ int64_t load_index(const void* base, int64_t i, bool 
   return is_int64 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// 16 bytes of state <-> their values in float32.
 template <typename E>
-__device__ __forceinline__ E from_float(float x);
+struct Run;
 template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// The slice of one (slot, head) and V columns [v0, v0 + BV), as stored in shared memory. The
-// state is [K, V] (rows of BV elements) or, V first, [V, K] (rows of 128 elements, each padded
-// by 16 bytes: the 16-byte reads of 32 rows by a warp then fall in distinct bank groups, as the
-// row pitch is 16 modulo 128 bytes). A thread owns column c = tid % BV at K indices
-// [k0, k0 + kSpan), k0 = (tid / BV) kSpan.
-template <typename E, bool VFirst, int BV>
-struct Slice {
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(E));  // elements of a 16-byte piece
-  static constexpr int kRows = VFirst ? BV : kHeadDim;
-  static constexpr int kRowLength = VFirst ? kHeadDim : BV;
-  static constexpr int kPitch = VFirst ? kHeadDim + kVec : BV;
-  static constexpr int kRowPieces = kRowLength / kVec;
-  static constexpr int kPieces = kRows * kRowPieces;
-  static constexpr int kGroups = kDecodeThreads / BV;
-  static constexpr int kSpan = kHeadDim / kGroups;
-  static_assert(kHeadDim % BV == 0 && kDecodeThreads % BV == 0 && kSpan % kVec == 0, "slice shape");
-  static_assert(kPieces % kDecodeThreads == 0, "every thread copies the same number of pieces");
-  static_assert((kPitch * sizeof(E)) % 16 == 0, "rows start on 16-byte boundaries");
-
-  __device__ static int shared_piece(int i) { return (i / kRowPieces) * kPitch + (i % kRowPieces) * kVec; }
-  // Offset of piece i from the head's state origin (the state is [128, 128] per head either way).
-  __device__ static int64_t global_piece(int i, int v0) {
-    const int row = i / kRowPieces, col = (i % kRowPieces) * kVec;
-    return VFirst ? int64_t(v0 + row) * kHeadDim + col : int64_t(row) * kHeadDim + v0 + col;
+struct Run<float> {
+  static constexpr int kVec = 4;
+  __device__ static void unpack(const uint4& raw, float (&x)[kVec]) {
+    x[0] = __uint_as_float(raw.x);
+    x[1] = __uint_as_float(raw.y);
+    x[2] = __uint_as_float(raw.z);
+    x[3] = __uint_as_float(raw.w);
   }
-
-  // Elements (k .. k + kVec - 1, c) in float32, and back.
-  __device__ static void load(const E* tile, int k, int c, float (&x)[kVec]) {
-    if constexpr (VFirst) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(tile + c * kPitch + k);
-      const E* e = reinterpret_cast<const E*>(&raw);
+  __device__ static uint4 pack(const float (&x)[kVec]) {
+    return make_uint4(__float_as_uint(x[0]), __float_as_uint(x[1]), __float_as_uint(x[2]), __float_as_uint(x[3]));
+  }
+};
+template <>
+struct Run<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  __device__ static void unpack(const uint4& raw, float (&x)[kVec]) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) x[j] = to_float(e[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) x[j] = to_float(tile[(k + j) * kPitch + c]);
+    for (int i = 0; i < 4; ++i) {  // the lower address is the low half
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
-  __device__ static void store(E* tile, int k, int c, const float (&x)[kVec]) {
-    if constexpr (VFirst) {
-      uint4 raw;
-      E* e = reinterpret_cast<E*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) e[j] = from_float<E>(x[j]);
-      *reinterpret_cast<uint4*>(tile + c * kPitch + k) = raw;
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) tile[(k + j) * kPitch + c] = from_float<E>(x[j]);
-    }
+  __device__ static uint4 pack(const float (&x)[kVec]) {
+    return make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
   }
 };
 
-// Shared memory of a CTA (decode_slice's arrays) and the CTAs an SM can then hold (228 KB, 1 KB
-// of it reserved per CTA): the register budget the entry points declare keeps registers from
-// holding fewer CTAs than shared memory allows. The loops over a thread's elements are not
-// unrolled: unrolled, their loads in flight need registers past that budget (spills).
+// Which elements of the slice [128, BV] a thread owns: kRuns runs of kVec elements that are
+// contiguous in memory, at the same place in the shared copy of the slice (stored as in memory). [K, V] states: thread (tc fastest, tk) owns columns tc kVec .. + kVec
+// of rows tk + kThreadsK r; [V, K] states: thread (tk fastest, tc) owns K indices tk kVec ..
+// + kVec of columns tc + kThreadsC r. Either way a warp's runs of one r are adjacent in memory.
 template <typename E, bool VFirst, int BV>
+struct Ownership {
+  static constexpr int kVec = Run<E>::kVec;
+  static constexpr int kElements = kHeadDim * BV / kDecodeThreads;
+  static constexpr int kRuns = kElements / kVec;
+  static constexpr int kThreadsC = VFirst ? kDecodeThreads * kVec / kHeadDim : BV / kVec;
+  static constexpr int kThreadsK = kDecodeThreads / kThreadsC;
+  static_assert(kRuns * kVec == kElements && kThreadsC * kThreadsK == kDecodeThreads, "ownership");
+  static_assert(VFirst ? kThreadsC * kRuns == BV && kThreadsK <= 32 : kThreadsK * kRuns == kHeadDim && kThreadsC <= 32,
+                "ownership covers the slice");
+  int tk, tc;
+  __device__ explicit Ownership(int tid)
+      : tk(VFirst ? tid % kThreadsK : tid / kThreadsC), tc(VFirst ? tid / kThreadsK : tid % kThreadsC) {}
+  // Run r's offset from the head's state origin ([128, 128] per head in either layout), and
+  // within the slice as shared memory holds it ([128, BV] or [BV, 128]).
+  __device__ int64_t offset(int r, int v0) const {
+    return VFirst ? int64_t(v0 + tc + kThreadsC * r) * kHeadDim + tk * kVec
+                  : int64_t(tk + kThreadsK * r) * kHeadDim + v0 + tc * kVec;
+  }
+  __device__ int shared(int r) const {
+    return VFirst ? (tc + kThreadsC * r) * kHeadDim + tk * kVec : (tk + kThreadsK * r) * BV + tc * kVec;
+  }
+};
+
+// Shared memory of a CTA (decode_slice's arrays) and the CTAs an SM then holds (228 KB, 1 KB of
+// it reserved per CTA), at most 10 for [K, V] states and 6 for [V, K] ones (whose sums over K
+// take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
+// The entry points declare it, so that registers never hold fewer CTAs than shared memory.
+template <typename E, int BV>
 constexpr int decode_shared_bytes() {
-  using S = Slice<E, VFirst, BV>;
-  return S::kRows * S::kPitch * sizeof(E) + 4 * (3 * 2 * kHeadDim + 2 * kDecodeWarps * 3 + 2 * 2 * S::kGroups * BV);
+  return kHeadDim * BV * sizeof(E) + 16 * 2 * kHeadDim + 4 * (2 * kDecodeWarps * 3 + 2 * kDecodeWarps * 2 * BV);
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
-  // At most 10: past that the register budget (48 at 10) spills (ptxas, nvcc 13.0, 2026-12-02).
-  const int ctas = (228 * 1024) / (decode_shared_bytes<E, VFirst, BV>() + 1024);
-  return ctas < 10 ? ctas : 10;
+  const int ctas = (228 * 1024) / (decode_shared_bytes<E, BV>() + 1024);
+  const int most = VFirst ? 6 : 10;
+  return ctas < most ? ctas : most;
 }
 
 template <typename E, bool VFirst, int BV>
 __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
-  using S = Slice<E, VFirst, BV>;
-  constexpr int kVec = S::kVec, kGroups = S::kGroups, kSpan = S::kSpan;
+  using Own = Ownership<E, VFirst, BV>;
+  using R = Run<E>;
+  constexpr int kVec = Own::kVec, kRuns = Own::kRuns, kThreadsC = Own::kThreadsC, kThreadsK = Own::kThreadsK;
+  constexpr int kColumns = VFirst ? kRuns : kVec;  // the columns a thread owns
   constexpr int kSlices = kHeadDim / BV;
   constexpr int64_t kHeadElements = int64_t(kHeadDim) * kHeadDim;
-  __shared__ alignas(16) E tile[S::kRows * S::kPitch];
-  // The token's vectors and sums, double-buffered by token parity: the next token's prologue
-  // may then write them while slower threads still read this token's.
-  __shared__ float s_q[2][kHeadDim], s_k[2][kHeadDim], s_decay[2][kHeadDim];
+  __shared__ alignas(16) E tile[kHeadDim * BV];  // the slice, as stored in memory
+  // The token's per-K vectors (d, k, d k, d q) and sums, double-buffered by token parity: the
+  // next token's prologue may then write them while slower threads still read this token's.
+  __shared__ float4 s_vec[2][kHeadDim];
   __shared__ float s_sums[2][kDecodeWarps][3];
-  __shared__ float s_partial[2][2][kGroups][BV];
-  static_assert(sizeof(tile) + sizeof(s_q) + sizeof(s_k) + sizeof(s_decay) + sizeof(s_sums) + sizeof(s_partial) ==
-                    decode_shared_bytes<E, VFirst, BV>(),
+  __shared__ alignas(16) float s_partial[2][kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) == decode_shared_bytes<E, BV>(),
                 "decode_shared_bytes counts every array");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int c = tid % BV, group = tid / BV, k0 = group * kSpan;
+  const Own own(tid);
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
   const int64_t pair = blockIdx.x / kSlices;
   const int64_t HV = p.value_heads, n = pair / HV, i_hv = pair % HV, i_h = i_hv / (HV / p.heads);
@@ -165,28 +163,28 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const int64_t head_origin = i_hv * kHeadElements;
   const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
 
-  // Stage the slice (zeros without an initial state or a slot).
+  // Stage the thread's runs (zeros without an initial state or a slot).
   {
     const bool read = (flags & kHasH0) && in_pool(first);
     const E* src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
 #pragma unroll 1
-    for (int i = tid; i < S::kPieces; i += kDecodeThreads)
-      copy_async_16(tile + S::shared_piece(i), read ? src + S::global_piece(i, v0) : src, read);
+    for (int r = 0; r < kRuns; ++r) copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : src, read);
     cute::cp_async_fence();
   }
-  const auto store_slice = [&](int64_t slot) {
-    if (!in_pool(slot)) return;
-    E* dst = static_cast<E*>(p.ht) + slot * slot_elements + head_origin;
-#pragma unroll 1
-    for (int i = tid; i < S::kPieces; i += kDecodeThreads)
-      *reinterpret_cast<uint4*>(dst + S::global_piece(i, v0)) = *reinterpret_cast<const uint4*>(tile + S::shared_piece(i));
+  const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
+  const auto destination = [&](int64_t slot) {
+    return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
   };
+  // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
+  const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
+  const bool writes_o = own.tk == 0;  // one thread of each column writes its output
 
   const bool gate_lower_bound = flags & kGateLowerBound;
   const float gate_mul = (gate_lower_bound && (flags & kHasALog)) ? expf(p.A_log[i_hv]) : 1.f;
   const float bias = (gate_lower_bound && (flags & kHasDtBias)) ? p.dt_bias[i_hv * kHeadDim + tid] : 0.f;
   const float lower_bound = static_cast<float>(p.lower_bound), scale = static_cast<float>(p.scale);
   const float beta_scale = static_cast<float>(p.beta_scale);
+  const bool store_ht = mode != 2 && (flags & kStoreHt);
   bool staged = false;
   int par = 0;
   for (int64_t t = bos; t < eos; ++t, par ^= 1) {
@@ -198,7 +196,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
     float beta = load_float(p.beta, row, flags & kBetaFloat32);
     if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
-    const float vc = __bfloat162float(p.v[row * kHeadDim + v0 + c]);
+    float vc[kColumns];
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
     const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
     float sums[3] = {qv * qv, kv * kv, qv * kv};
 #pragma unroll
@@ -206,10 +206,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
     if (lane == 0)
       for (int j = 0; j < 3; ++j) s_sums[par][warp][j] = sums[j];
-    s_q[par][tid] = qv;
-    s_k[par][tid] = kv;
-    s_decay[par][tid] = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
-    if (!staged) {
+    const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
+    s_vec[par][tid] = make_float4(d, kv, d * kv, d * qv);
+    if (!staged) {  // the thread's own runs: it reads no others
       cute::cp_async_wait<0>();
       staged = true;
     }
@@ -227,64 +226,108 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       rk = rsqrtf(kk + kL2normEps);
     }
 
-    // Pass 1: (S d).k and (S d).q over the thread's K span, then over the groups.
-    float dot_k = 0.f, dot_q = 0.f;
-#pragma unroll 1
-    for (int j = 0; j < kSpan; j += kVec) {
-      float x[kVec];
-      S::load(tile, k0 + j, c, x);
+    // Pass 1: (S d).k and (S d).q of each owned column, over the thread's K indices, then
+    // over the threads that share the column.
+    float dot_k[kColumns] = {}, dot_q[kColumns] = {};
+    if constexpr (VFirst) {
+      float2 dkq[kVec];  // (d k, d q) of the thread's K indices
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const int kk_at = k0 + j + e;
-        const float s = x[e] * s_decay[par][kk_at];
-        dot_k = fmaf(s, s_k[par][kk_at], dot_k);
-        dot_q = fmaf(s, s_q[par][kk_at], dot_q);
+      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[par][own.tk * kVec + e])[1];
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+        float x[kVec];
+        R::unpack(run(r), x);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          dot_k[r] = fmaf(x[e], dkq[e].x, dot_k[r]);
+          dot_q[r] = fmaf(x[e], dkq[e].y, dot_q[r]);
+        }
       }
-    }
-    s_partial[par][0][group][c] = dot_k;
-    s_partial[par][1][group][c] = dot_q;
-    __syncthreads();
-    dot_k = dot_q = 0.f;
 #pragma unroll
-    for (int gi = 0; gi < kGroups; ++gi) {
-      dot_k += s_partial[par][0][gi][c];
-      dot_q += s_partial[par][1][gi][c];
-    }
-    // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^).
-    const float u = beta * (vc - dot_k * rk);
-    if (group == 0) p.o[row * kHeadDim + v0 + c] = __float2bfloat16_rn(scale * (dot_q * rq + u * (qk * rq * rk)));
-    const float u_k = u * rk;  // S d + k^ u^T = S d + k (rk u)^T
-
-    // Pass 2: the new state over the same elements.
+      for (int offset = 1; offset < kThreadsK; offset *= 2)  // the column's threads: lanes tk of one warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
+        }
+    } else {
 #pragma unroll 1
-    for (int j = 0; j < kSpan; j += kVec) {
-      float x[kVec];
-      S::load(tile, k0 + j, c, x);
+      for (int r = 0; r < kRuns; ++r) {
+        const float4 vec = s_vec[par][own.tk + kThreadsK * r];
+        float x[kVec];
+        R::unpack(run(r), x);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const int kk_at = k0 + j + e;
-        x[e] = fmaf(s_k[par][kk_at], u_k, x[e] * s_decay[par][kk_at]);
+        for (int e = 0; e < kVec; ++e) {
+          dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
+          dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
+        }
       }
-      S::store(tile, k0 + j, c, x);
-    }
-    if (mode == 2) {  // the state after token t into indices[n, t - bos]
+#pragma unroll
+      for (int offset = kThreadsC; offset < 32; offset *= 2)  // the column's threads in this warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
+        }
+      if (lane < kThreadsC)  // then over the warps
+        for (int j = 0; j < kColumns; ++j) {
+          s_partial[par][warp][0][own.tc * kVec + j] = dot_k[j];
+          s_partial[par][warp][1][own.tc * kVec + j] = dot_q[j];
+        }
       __syncthreads();
-      store_slice(to);
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) {
+        dot_k[j] = dot_q[j] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kDecodeWarps; ++w) {
+          dot_k[j] += s_partial[par][w][0][own.tc * kVec + j];
+          dot_q[j] += s_partial[par][w][1][own.tc * kVec + j];
+        }
+      }
+    }
+    // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
+    // and the new state S d + k^ u^T = S d + k (rk u)^T.
+    float u_k[kColumns];
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) {
+      const float u = beta * (vc[j] - dot_k[j] * rk);
+      if (writes_o) p.o[row * kHeadDim + column(j)] = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
+      u_k[j] = u * rk;
+    }
+
+    // Pass 2: the new state, back into shared memory for the next token, and to memory where
+    // this token's state is stored (every token's with 2-D indices, else the last one's).
+    const bool last = t + 1 == eos;
+    E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+    // (unrolled for [V, K] states, whose columns are indexed by r)
+#pragma unroll(VFirst ? kRuns : 1)
+    for (int r = 0; r < kRuns; ++r) {
+      float x[kVec];
+      R::unpack(run(r), x);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // (d, k) of the element's K index
+        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[par][VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
+        x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
+      }
+      const uint4 updated = R::pack(x);
+      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
+      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
     }
   }
-  if (!staged) cute::cp_async_wait<0>();
-  if (mode != 2 && (flags & kStoreHt)) {
-    __syncthreads();
-    store_slice(first);
+  if (bos == eos && store_ht) {  // no tokens: the state passes through
+    cute::cp_async_wait<0>();
+    E* dst = destination(first);
+    if (dst != nullptr)
+#pragma unroll 1
+      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
   }
 }
 
 }  // namespace
 
-#define KDA_DECODE_ENTRY(NAME, E, VFIRST, BV) \
+#define KDA_DECODE_ENTRY(NAME, E, VFIRST, BV)                                             \
   extern "C" __global__ void __launch_bounds__(kDecodeThreads, (decode_ctas_per_sm<E, VFIRST, BV>())) \
-      NAME(const DecodeParams p) {                                                                       \
-    decode_slice<E, VFIRST, BV>(p);                                                                      \
+      NAME(const DecodeParams p) {                                                         \
+    decode_slice<E, VFIRST, BV>(p);                                                        \
   }
 
 // Names: abi.decode_kernel_name (state dtype, layout: kv = [K, V], vk = [V, K], columns).
