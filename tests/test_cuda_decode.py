@@ -142,13 +142,15 @@ def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens():
             assert torch.equal(pool[s], before[s]), f"slot {s}, not named, changed"
 
 
-def test_gpu_auto_runs_bf16_decode_grids_on_cuda_and_the_rest_on_triton():
-    """auto takes the CUDA kernel where it measured faster (kda.cuda.decode.auto_refusal):
-    one-token bf16 states over 1024 sequence-heads; float32 states, small grids and bf16
-    states over several tokens go to Triton's decode kernel, and the refusal says why."""
+def test_gpu_auto_runs_large_decode_grids_on_cuda_and_the_rest_on_triton():
+    """auto takes the CUDA kernel where it measured faster (kda.cuda.decode.AUTO_MIN_PAIRS):
+    one-token bf16 states over 1024 sequence-heads; small grids, float32 plain calls below
+    8192 sequence-heads and bf16 states over several tokens go to Triton's decode kernel, and
+    the refusal says why."""
     from kda.cuda.decode import AUTO_MIN_PAIRS
 
-    case = decode_case(B=AUTO_MIN_PAIRS // 4, T=1, HV=4, group=2, seed=35)
+    pairs = AUTO_MIN_PAIRS[("bfloat16", False)]
+    case = decode_case(B=pairs // 4, T=1, HV=4, group=2, seed=35)
     case.initial_state = case.initial_state.bfloat16()
     kw = recurrent_kwargs(case, final_state_dtype=torch.bfloat16)
     with kda.record_dispatch() as events:
@@ -158,13 +160,14 @@ def test_gpu_auto_runs_bf16_decode_grids_on_cuda_and_the_rest_on_triton():
     assert_close_fp64(o, o_ref, O_BAR, "o")
     assert_close_fp64(ht, ht_ref, STATE_BAR[torch.bfloat16], "final state")
     for over, says in (
-        (dict(initial_state=case.initial_state.float(), final_state_dtype=torch.float32), "float32 states"),
-        (dict(B=8), "32 (sequence, head) pairs"),
+        (dict(state=torch.float32), f"{pairs} (sequence, head) pairs of float32 states"),
+        (dict(B=8), "32 (sequence, head) pairs of bfloat16 states"),
         (dict(T=3), "bfloat16 states over more than one token"),
     ):
-        small = decode_case(B=over.pop("B", AUTO_MIN_PAIRS // 4), T=over.pop("T", 1), HV=4, group=2, seed=36)
-        small.initial_state = over.pop("initial_state", small.initial_state.bfloat16())
-        kw = recurrent_kwargs(small, **{"final_state_dtype": torch.bfloat16, **over})
+        small = decode_case(B=over.get("B", pairs // 4), T=over.get("T", 1), HV=4, group=2, seed=36)
+        dtype = over.get("state", torch.bfloat16)
+        small.initial_state = small.initial_state.to(dtype)
+        kw = recurrent_kwargs(small, final_state_dtype=dtype)
         with kda.record_dispatch() as events:
             kda.fused_recurrent_kda(*small.tensors(), **kw)
         assert events[:2] == ["fused_recurrent_kda -> triton", "triton:decode"], (says, events)

@@ -264,3 +264,27 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     columns = cuda_decode.DEFAULT_COLUMNS["float32"]
     assert args[0] == int(kernels.kernels[name])
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
+
+
+def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
+    """kda.cuda.decode.AUTO_MIN_PAIRS on host-side problems (no device work): one-token decode
+    steps over enough sequence-heads are kept (no refusal), the rest say why Triton runs them."""
+    from kda.cuda import BACKEND
+    from kda.cuda.decode import AUTO_MIN_PAIRS
+
+    def problem(B, T=1, state=torch.bfloat16):  # no initial state: the final state's dtype decides
+        case = make_case(B=B, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7,
+                         with_state=False)  # fmt: skip
+        kw = case.kwargs(final_state_dtype=state)
+        kw.pop("safe_gate")
+        return checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+
+    bf16 = AUTO_MIN_PAIRS[("bfloat16", False)] // 4
+    fp32 = AUTO_MIN_PAIRS[("float32", False)] // 4
+    assert BACKEND.auto_rejects(problem(bf16)) is None
+    assert BACKEND.auto_rejects(problem(fp32, state=torch.float32)) is None
+    assert "4 (sequence, head) pairs of bfloat16 states" in BACKEND.auto_rejects(problem(1))
+    assert f"{bf16 * 4} (sequence, head) pairs of float32 states" in BACKEND.auto_rejects(
+        problem(bf16, state=torch.float32)
+    )
+    assert "bfloat16 states over more than one token" in BACKEND.auto_rejects(problem(2, T=3))

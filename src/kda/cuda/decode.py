@@ -6,8 +6,8 @@ precomputed g, read in bf16 or fp32) plus grouped value heads and state pools wi
 slot indices; the state in float32 or bfloat16, the same dtype in and out. The kernel keeps
 the state in its own dtype between a sequence's tokens, so a bfloat16 state is taken only
 where every sequence has one token (the Triton decode kernel carries it in float32 otherwise).
-``backend="auto"`` takes it only where it measured faster than Triton's: bfloat16 states in a
-grid of many sequence-heads (:func:`auto_refusal`); ``backend="cuda"`` takes it wherever it can.
+``backend="auto"`` takes it only where it measured faster than Triton's: grids of many
+sequence-heads (:func:`auto_refusal`); ``backend="cuda"`` takes it wherever it can.
 """
 
 from __future__ import annotations
@@ -36,16 +36,18 @@ FLAG_VARLEN = abi.FLAGS["varlen"]
 FLAG_INDICES_INT64 = abi.FLAGS["indices_int64"]
 FLAG_ACCEPTED_INT64 = abi.FLAGS["accepted_int64"]
 STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-# V columns of a CTA by state dtype: a 16 KB slice either way. H200, 2026-12-02, run 24 (graph
-# replay, H=32, one token): bf16 N=256 0.184 ms at 64 against 0.213 at 32; float32 a tie.
-DEFAULT_COLUMNS = {"float32": 32, "bfloat16": 64}
-# Where auto takes this kernel over Triton's decode kernel, as measured in the same run
-# (benchmarks/results/h200-2026-12-02-decode-run24.md; ms, CUDA / Triton): bfloat16 states from
-# 1024 (sequence, value head) pairs on (plain N=32 x H=32 0.0317 / 0.0379, N=256 0.184 / 0.256,
-# N=1024 0.702 / 1.005; pools 0.0326 / 0.0320, 0.191 / 0.202, 0.725 / 0.856); below that
-# Triton's one-CTA latency is lower (N=1: 9.2 / 8.1 us). float32 states stay on Triton, which
-# streams them from registers faster (plain N=256 0.280 / 0.304; pools a tie).
-AUTO_MIN_PAIRS = 1024
+# V columns of a CTA by state dtype, and where auto takes this kernel over Triton's decode
+# kernel: from the fewest (sequence, value head) pairs below, by (state dtype, pool). Measured on
+# an H200, 2026-12-02, run 27 (benchmarks/results/h200-2026-12-02-decode-run27.md, graph replay,
+# H=32, one token; ms, this kernel at 64 columns / Triton's): bf16 plain N=32 0.0302 / 0.0382,
+# N=256 0.179 / 0.257, N=1024 0.683 / 1.005 (pools 0.0309 / 0.0324, 0.185 / 0.202, 0.711 /
+# 0.859); float32 pools 0.0456 / 0.0464, 0.274 / 0.314, 1.050 / 1.234; float32 plain N=32
+# 0.0444 / 0.0434, N=256 0.269 / 0.280, N=1024 1.039 / 1.098. Below 1024 pairs (N=1) Triton's
+# one-program latency is lower (8.4 us against 9.1 to 9.7). 64 columns beat 32 everywhere from
+# N=32 on (bf16 N=256 0.179 / 0.217, float32 0.269 / 0.278).
+DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 64}
+AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
+                  ("float32", False): 8192}  # fmt: skip
 
 
 def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -76,11 +78,11 @@ def auto_refusal(p: Problem) -> str | None:
     """Why ``backend="auto"`` should run ``p`` on Triton's decode kernel although this one takes
     it (measured slower there: AUTO_MIN_PAIRS), or None."""
     h0, _ = state_tensors(p)
-    dtype = h0.dtype if h0 is not None else p.final_state_dtype
-    if dtype != torch.bfloat16:
-        return f"{dtype} states (Triton's decode kernel streams them faster)"
-    if p.N * p.HV < AUTO_MIN_PAIRS:
-        return f"{p.N * p.HV} (sequence, head) pairs (Triton's decode kernel is faster below {AUTO_MIN_PAIRS})"
+    dtype = STATE_DTYPES[h0.dtype if h0 is not None else p.final_state_dtype]
+    pairs, fewest = p.N * p.HV, AUTO_MIN_PAIRS[(dtype, p.pool is not None)]
+    if pairs < fewest:
+        kind = f"{dtype} state pool" if p.pool is not None else f"{dtype} states"
+        return f"{pairs} (sequence, head) pairs of {kind} (Triton's decode kernel is faster below {fewest})"
     return None
 
 
