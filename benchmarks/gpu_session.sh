@@ -133,6 +133,6 @@ if [[ $step == *decodeprof* ]]; then  # ncu of decode configurations: DECODE_PRO
       > "$OUT/ncu-decode-${cfg//,/-}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Issued Ipc|No Eligible|Stall|One or More|Warp Cycles Per Issued|Theoretical Occ|Block Limit" "$OUT/ncu-decode-${cfg//,/-}.log" | head -40
   done
 fi
-if [[ $step == *decode* && $step != *decodeprof* ]] || [[ $step == *decodebench* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
+if [[ $step == *decode* && $step != *decodeprof* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
