@@ -16,18 +16,7 @@ import torch
 
 from kda import abi
 from kda.cuda import loader
-from kda.cuda.forward import (
-    FLAG_BETA_FLOAT32,
-    FLAG_BETA_SIGMOID,
-    FLAG_G_FLOAT32,
-    FLAG_GATE_LOWER_BOUND,
-    FLAG_HAS_A_LOG,
-    FLAG_HAS_DT_BIAS,
-    FLAG_HAS_H0,
-    FLAG_L2NORM,
-    FLAG_STORE_HT,
-    _launch_context,
-)
+from kda.cuda.forward import FLAG_HAS_H0, FLAG_STORE_HT, _launch_context, input_flags
 from kda.dispatch import note, on_device
 from kda.intmath import cdiv
 from kda.validation import Problem
@@ -103,25 +92,11 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
         raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
     idx = p.state_indices
     mode = 0 if idx is None else idx.dim()
-    bits = 0
-    if p.gate_form == "lower_bound":
-        bits = FLAG_GATE_LOWER_BOUND
-        if p.A_log is not None:
-            bits |= FLAG_HAS_A_LOG
-        if p.dt_bias is not None:
-            bits |= FLAG_HAS_DT_BIAS
-    if p.use_qk_l2norm:
-        bits |= FLAG_L2NORM
-    if p.use_beta_sigmoid:
-        bits |= FLAG_BETA_SIGMOID
+    bits = input_flags(p)
     if h0 is not None:
         bits |= FLAG_HAS_H0
     if ht is not None:
         bits |= FLAG_STORE_HT
-    if p.g.dtype == torch.float32:
-        bits |= FLAG_G_FLOAT32
-    if p.beta.dtype == torch.float32:
-        bits |= FLAG_BETA_FLOAT32
     if p.cu_seqlens is not None:
         bits |= FLAG_VARLEN
     if idx is not None and idx.dtype == torch.int64:

@@ -162,22 +162,33 @@ def _launch_context(p: Problem):
     return kernels, device_index, stream, capturing
 
 
-def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare) -> None:
-    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2."""
-    q, N, H = p.q, p.N, p.H
-    num_chunks = tables.num_chunks
-    A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
+def input_flags(p: Problem) -> int:
+    """The flag bits of how ``p``'s inputs are read and activated (the gate and its A_log and
+    dt_bias, l2norm, beta sigmoid, g and beta in float32), shared by every CUDA launch."""
     bits = 0
     if p.gate_form == "lower_bound":
         bits = FLAG_GATE_LOWER_BOUND
-        if A_log is not None:
+        if p.A_log is not None:
             bits |= FLAG_HAS_A_LOG
-        if dt_bias is not None:
+        if p.dt_bias is not None:
             bits |= FLAG_HAS_DT_BIAS
     if p.use_qk_l2norm:
         bits |= FLAG_L2NORM
     if p.use_beta_sigmoid:
         bits |= FLAG_BETA_SIGMOID
+    if p.g.dtype == torch.float32:
+        bits |= FLAG_G_FLOAT32
+    if p.beta.dtype == torch.float32:
+        bits |= FLAG_BETA_FLOAT32
+    return bits
+
+
+def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare) -> None:
+    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2."""
+    q, N, H = p.q, p.N, p.H
+    num_chunks = tables.num_chunks
+    A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
+    bits = input_flags(p)
     if h0 is not None:
         bits |= FLAG_HAS_H0
         if h0.dtype == torch.bfloat16:
@@ -188,10 +199,6 @@ def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prep
             bits |= FLAG_HT_BFLOAT16
     if p.state_v_first:
         bits |= FLAG_STATE_V_FIRST
-    if p.g.dtype == torch.float32:
-        bits |= FLAG_G_FLOAT32
-    if p.beta.dtype == torch.float32:
-        bits |= FLAG_BETA_FLOAT32
 
     warps = recurrence_warps(N * H, sm_count(device_index))
     params = (  # loader.Params, field by field
