@@ -20,8 +20,8 @@ What kda takes:
   contiguous ``cp_context`` runs kda's context parallelism.
 - fla's decode entry point ``fused_recurrent_kda_fwd`` (operation ``kda``, what serving
   engines call): every call kda's checks accept, state pools included (``inplace_final_state``
-  with ``ssm_state_indices`` and ``num_accepted_tokens``: kda's decode kernel, 0.73-0.98 of
-  fla's time on an H200, benchmarks/results/h200-2026-12-01-decode.md), and CPU tensors, where
+  with ``ssm_state_indices`` and ``num_accepted_tokens``: kda's decode kernels, 0.53-0.90 of
+  fla's time on an H200, benchmarks/results/h200-2026-12-02-decode-run27.md), and CPU tensors, where
   fla's Triton kernel cannot run. ``out=``, and GPU calls kda could only run on its torch
   reference, fall through to fla.
 
