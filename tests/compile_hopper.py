@@ -135,14 +135,14 @@ for varlen, rank in ((True, True), (True, False), (False, False)):
         dict(VARLEN=varlen, RANK=rank, CHECKPOINT=4, BLOCK=64),
         tensor_cores=False,
     )  # fmt: skip
-# decode: plain (batched) and a 2-D pool (varlen), one warp and four, with and without cache hints
-for indices, (BV, num_warps), stream in ((0, (16, 1), False), (2, (32, 4), True)):
+# decode: plain (batched), a 1-D pool and a 2-D pool (varlen), one warp and four, with and without cache hints
+for indices, (BV, num_warps), stream in ((0, (16, 1), False), (1, (16, 1), False), (2, (32, 4), True)):
     build(
         decode_kernel,
         {"scale": "fp32", "lower_bound": "fp32", "beta_scale": "fp32",
          **{n: "i32" for n in ("P", "T", "H", "HV", "K", "V", "S_COLS")}},
         dict(BK=128, BV=BV, GATE=1, HAS_A_LOG=True, HAS_DT_BIAS=True, L2NORM=True, BETA_SIGMOID=True,
              STATE_V_FIRST=indices == 2, VARLEN=indices == 2, HAS_H0=True, STORE_HT=True, INDICES=indices,
-             HAS_ACCEPTED=indices == 2, STREAM=stream),
+             HAS_ACCEPTED=indices == 2, STREAM=stream, IN_PLACE=indices != 0),
         num_warps, tensor_cores=False,
     )  # fmt: skip

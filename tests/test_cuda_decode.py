@@ -203,3 +203,22 @@ def test_gpu_cuda_pool_decode_replays_in_a_graph_with_new_indices_and_tokens():
         pool.copy_(start)
         want_o, _ = call()
         assert torch.equal(replayed_o, want_o) and torch.equal(replayed_pool, pool)
+
+
+def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone():
+    """Sequences 0 and 2 name slot 1, sequence 2 has no tokens: slot 1 ends as sequence 0 left
+    it (no write-back from the empty sequence to race with it), as the torch loop gives."""
+    lens, slots, P = [3, 2, 0], [1, 4, 1], 6
+    case = decode_case(lens, HV=2, seed=40)
+    pool = pool_of(P, 2, False, torch.float32, seed=41)
+    before = pool.clone()
+    idx = torch.tensor(slots, device="cuda")
+    kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case, initial_state=pool), inplace_final_state=True,
+                            ssm_state_indices=idx, backend="cuda")  # fmt: skip
+    c64 = case.to(torch.float64, "cpu")
+    model = before.double().cpu()
+    kda.fused_recurrent_kda(*c64.tensors(), **recurrent_kwargs(c64, initial_state=model), inplace_final_state=True,
+                            ssm_state_indices=idx.cpu(), backend="torch")  # fmt: skip
+    for s in (1, 4):
+        assert rel(pool[s], model[s]) <= STATE_BAR[torch.float32], s
+    assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])

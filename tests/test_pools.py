@@ -241,3 +241,36 @@ def test_prefill_indices_are_checked(idx, says):
         kda.chunk_kda(*case.tensors(), initial_state=torch.zeros(4, 1, 16, 16), initial_state_indices=idx,
                       backend="torch", **kw)  # fmt: skip
     assert says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sequence_with_no_tokens_leaves_its_slot_to_the_one_that_has_tokens(backend):
+    """Two sequences name slot 2; the second has no tokens. The slot keeps the state the first
+    writes there, as the torch token loop (the sequences in order) gives: a zero-token sequence
+    writes nothing back. On a GPU a write-back would race with the first sequence's programs;
+    the interpreter runs programs one after another, so there it checks the semantics only."""
+    case, pool = pool_case([3, 0], P=4, seed=67)
+    idx = torch.tensor([2, 2], device=DEVICE)
+    mine, model = pool.clone(), pool.double().cpu()
+    kda.fused_recurrent_kda(*case.tensors(), initial_state=mine, inplace_final_state=True, ssm_state_indices=idx,
+                            backend=backend, **decode_kwargs(case))  # fmt: skip
+    c64 = case.to(torch.float64, "cpu")
+    kda.fused_recurrent_kda(*c64.tensors(), initial_state=model, inplace_final_state=True,
+                            ssm_state_indices=idx.cpu(), backend="torch", **decode_kwargs(c64))  # fmt: skip
+    assert not torch.equal(model[2].float(), pool[2].cpu()), "the slot did not move: the test would see nothing"
+    assert rel(mine[2], model[2]) <= BAR
+    assert torch.equal(mine[[0, 1, 3]], pool[[0, 1, 3]])
+
+
+@pytest.mark.gpu
+def test_gpu_two_d_indices_need_a_column_even_with_unchecked_lengths(monkeypatch):
+    """With lengths never copied to the host, S >= 1 is still required: the first slot is read
+    from column 0 (or accepted - 1) even for a sequence with no tokens."""
+    from kda import validation
+
+    monkeypatch.setattr(validation, "CHECK_CU_SEQLENS", "0")
+    case, pool = pool_case([3, 2], P=4, seed=68)
+    with pytest.raises(ValueError, match="S >= 1"):
+        kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
+                                ssm_state_indices=torch.zeros(2, 0, dtype=torch.int64, device=DEVICE),
+                                **decode_kwargs(case))  # fmt: skip

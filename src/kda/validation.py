@@ -504,8 +504,9 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
         if idx.dim() == 1 and idx.shape[0] == p.N:
             if accepted is not None:
                 raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
-        elif idx.dim() == 2 and idx.shape[0] == p.N and (idx.shape[1] >= max(longest, 1) or p.lengths_unchecked):
-            # (unchecked lengths, validation.CHECK_CU_SEQLENS: the kernel stops each sequence at S)
+        elif idx.dim() == 2 and idx.shape[0] == p.N and idx.shape[1] >= (1 if p.lengths_unchecked else max(longest, 1)):
+            # (unchecked lengths, validation.CHECK_CU_SEQLENS: the kernel stops each sequence at S;
+            # S >= 1 always, as the first slot is read from column 0 even for no tokens)
             if accepted is not None:
                 acc = _require_tensor("num_accepted_tokens", accepted)
                 if acc.dtype not in INDEX_DTYPES or acc.shape != (p.N,):

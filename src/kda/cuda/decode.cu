@@ -168,7 +168,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     const bool read = (flags & kHasH0) && in_pool(first);
     const E* src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
 #pragma unroll 1
-    for (int r = 0; r < kRuns; ++r) copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : src, read);
+    for (int r = 0; r < kRuns; ++r)  // (nothing read: any valid address, never h0, which may be null)
+      copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : reinterpret_cast<const E*>(p.q), read);
     cute::cp_async_fence();
   }
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
@@ -313,7 +314,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
     }
   }
-  if (bos == eos && store_ht) {  // no tokens: the state passes through
+  // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
+  // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
+  if (bos == eos && store_ht && p.h0 != p.ht) {
     cute::cp_async_wait<0>();
     E* dst = destination(first);
     if (dst != nullptr)

@@ -54,6 +54,7 @@ def decode_kernel(
     VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     INDICES: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
     STREAM: tl.constexpr,  # states read and written once: evict-first loads, streaming stores
+    IN_PLACE: tl.constexpr,  # h0 and ht are one pool
 ):  # fmt: skip
     # One grid dimension (V slices fastest): a second one would stop at 65535 sequence-heads.
     pid = tl.program_id(0).to(tl.int64)
@@ -128,6 +129,9 @@ def decode_kernel(
             to_mask = _in_pool(to, tile, state_mask, P)
             tl.store(ht + to * slot_size + tile, St.to(ht.dtype.element_ty), mask=to_mask)
     if STORE_HT and INDICES != 2:
+        if IN_PLACE:  # a pool slot of a sequence with no tokens keeps its state: not written back,
+            # so a slot shared with a sequence that has tokens is that sequence's alone
+            first_mask = first_mask & ((bos + tl.zeros_like(tile)) < eos)
         if STREAM:
             tl.store(ht + first * slot_size + tile, St.to(ht.dtype.element_ty), mask=first_mask, cache_modifier=".cs")
         else:
@@ -180,6 +184,7 @@ def decode(
         L2NORM=p.use_qk_l2norm, BETA_SIGMOID=p.use_beta_sigmoid, STATE_V_FIRST=p.state_v_first,
         VARLEN=p.cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         INDICES=mode, HAS_ACCEPTED=p.accepted is not None, STREAM=DECODE_STREAM if stream is None else stream,
+        IN_PLACE=p.pool is not None,
         num_warps=warps,
     )  # fmt: skip
     return o, ht
