@@ -161,6 +161,17 @@ def c_flag_name(name: str) -> str:
     return "k" + "".join(part[:1].upper() + part[1:] for part in name.split("_"))
 
 
+def _block_struct(name: str, fields: tuple) -> list[str]:
+    """A parameter block's C++ struct and the check that ctypes can mirror it (8-byte fields)."""
+    return [
+        f"struct {name} {{",
+        *(f"  {ctype} {field};" for field, ctype, _ in fields),
+        "};",
+        f"constexpr int k{name}Fields = {len(fields)};",
+        f'static_assert(sizeof({name}) == 8 * k{name}Fields, "{name}: 8-byte fields only (mirrored by ctypes)");',
+    ]
+
+
 def header() -> str:
     """The C++ header of everything above (namespace kda)."""
     lines = [
@@ -184,18 +195,9 @@ def header() -> str:
         *(f"  {c_flag_name(name)} = int64_t(1) << {bit}," for bit, name in enumerate(FLAG_NAMES)),
         "};",
         "",
-        "struct Params {",
-        *(f"  {ctype} {name};" for name, ctype, _ in PARAMS),
-        "};",
-        f"constexpr int kParamsFields = {len(PARAMS)};",
-        'static_assert(sizeof(Params) == 8 * kParamsFields, "Params: 8-byte fields only (mirrored by ctypes)");',
+        *_block_struct("Params", PARAMS),
         "",
-        "struct DecodeParams {",
-        *(f"  {ctype} {name};" for name, ctype, _ in DECODE_PARAMS),
-        "};",
-        f"constexpr int kDecodeParamsFields = {len(DECODE_PARAMS)};",
-        "static_assert(sizeof(DecodeParams) == 8 * kDecodeParamsFields, "
-        '"DecodeParams: 8-byte fields only (mirrored by ctypes)");',
+        *_block_struct("DecodeParams", DECODE_PARAMS),
         f"constexpr int kDecodeThreads = {DECODE_THREADS};",
         "",
         "struct WorkspaceLayout {",

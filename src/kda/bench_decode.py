@@ -32,6 +32,13 @@ SWEEP_WARPS = (1, 2, 4)
 SWEEP_STREAM = (False, True)  # the decode kernel's cache hints (decode.DECODE_STREAM)
 
 
+def cuda_built() -> bool:
+    """Whether kda's CUDA backend (and so its decode kernel) is available here."""
+    import kda
+
+    return any(b.name == "cuda" and b.available for b in kda.backends())
+
+
 def decode_inputs(N: int, T: int = 1, state_dtype=torch.float32, seed: int = 0, H: int = DECODE_HEADS):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -92,7 +99,7 @@ def contenders(mode: str) -> dict:
         return kda.fused_recurrent_kda(*t, **kw, output_final_state=True, backend=backend)
 
     calls = {"kda": kda_call}  # auto: the CUDA decode kernel where built, else Triton's
-    if any(b.name == "cuda" and b.available for b in kda.backends()):
+    if cuda_built():
         calls["kda_triton"] = lambda t, kw: kda_call(t, kw, backend="triton")
     if importlib.util.find_spec("fla") is not None:
         os.environ["FLA_FLASH_KDA"] = "0"
@@ -208,7 +215,7 @@ def crossover(N: int = 32) -> list[dict]:
         p = checked_problem(kda.chunk_kda, *t, **kw, output_final_state=True)
         row = {"T": T, "decode": graph_ms(lambda p=p: decode(p))}
         row["triton_chunks"] = graph_ms(lambda p=p: chunk_forward(p))
-        if any(b.name == "cuda" and b.available for b in kda.backends()):
+        if cuda_built():
             row["cuda_chunks"] = graph_ms(lambda t=t, kw=kw: kda.chunk_kda(*t, **kw, output_final_state=True,
                                                                            backend="cuda"))  # fmt: skip
         rows.append(row)
@@ -337,7 +344,7 @@ def decode_main(args) -> int:
     report["prefill_varlen"] = prefill()
     report["layouts_fp32_plain"] = {N: layouts(N) for N in DECODE_SEQUENCES}
     print("layouts", report["layouts_fp32_plain"], flush=True)
-    if any(b.name == "cuda" and b.available for b in kda.backends()):
+    if cuda_built():
         report["cuda_sweep"] = {N: cuda_sweep(N) for N in DECODE_SEQUENCES}
         print("cuda sweep", report["cuda_sweep"], flush=True)
     if not args.quick:  # --quick: the cases alone

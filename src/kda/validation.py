@@ -500,13 +500,14 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
             raise TypeError(f"`ssm_state_indices` must be int32 or int64, got {idx.dtype}")
         if idx.device != p.q.device:
             _require_device("ssm_state_indices", idx, p.q.device)
-        longest = p.longest
+        # columns 2-D indices need: the longest sequence's tokens, and one even without tokens (the
+        # first slot is read from column 0); with unchecked lengths (validation.CHECK_CU_SEQLENS)
+        # one, as the kernel stops each sequence at S
+        columns = 1 if p.lengths_unchecked else max(p.longest, 1)
         if idx.dim() == 1 and idx.shape[0] == p.N:
             if accepted is not None:
                 raise ValueError("`num_accepted_tokens` needs 2-D `ssm_state_indices` [N, S]")
-        elif idx.dim() == 2 and idx.shape[0] == p.N and idx.shape[1] >= (1 if p.lengths_unchecked else max(longest, 1)):
-            # (unchecked lengths, validation.CHECK_CU_SEQLENS: the kernel stops each sequence at S;
-            # S >= 1 always, as the first slot is read from column 0 even for no tokens)
+        elif idx.dim() == 2 and idx.shape[0] == p.N and idx.shape[1] >= columns:
             if accepted is not None:
                 acc = _require_tensor("num_accepted_tokens", accepted)
                 if acc.dtype not in INDEX_DTYPES or acc.shape != (p.N,):
@@ -516,7 +517,7 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
                     _require_device("num_accepted_tokens", acc, p.q.device)
                 p.accepted = acc.contiguous()
         else:
-            raise ValueError(f"`ssm_state_indices` must be [N={p.N}] or [N={p.N}, S] with S >= {max(longest, 1)} "
+            raise ValueError(f"`ssm_state_indices` must be [N={p.N}] or [N={p.N}, S] with S >= {columns} "
                              f"(the longest sequence), got {list(idx.shape)}")  # fmt: skip
         idx = idx.contiguous()
     p.pool, p.state_indices = x, idx

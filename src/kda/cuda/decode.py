@@ -47,11 +47,17 @@ def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]
     return p.initial_state, None
 
 
+def state_dtype(p: Problem) -> torch.dtype:
+    """The dtype the kernel keeps the state in: the state read's, or the final state's without one."""
+    h0, _ = state_tensors(p)
+    return h0.dtype if h0 is not None else p.final_state_dtype
+
+
 def decode_rejects(p: Problem) -> str | None:
     """What of ``p`` the decode kernel does not cover (beyond the CUDA backend's own checks of
     dtypes, head dims, the gate and the device), or None."""
     h0, _ = state_tensors(p)
-    dtype = h0.dtype if h0 is not None else p.final_state_dtype
+    dtype = state_dtype(p)
     if dtype not in STATE_DTYPES:
         return f"a {dtype} state (the CUDA decode kernel takes float32 or bfloat16)"
     if p.pool is None and p.output_final_state and p.final_state_dtype != dtype:
@@ -66,8 +72,7 @@ def decode_rejects(p: Problem) -> str | None:
 def auto_refusal(p: Problem) -> str | None:
     """Why ``backend="auto"`` should run ``p`` on Triton's decode kernel although this one takes
     it (measured slower there: AUTO_MIN_PAIRS), or None."""
-    h0, _ = state_tensors(p)
-    dtype = STATE_DTYPES[h0.dtype if h0 is not None else p.final_state_dtype]
+    dtype = STATE_DTYPES[state_dtype(p)]
     pairs, fewest = p.N * p.HV, AUTO_MIN_PAIRS[(dtype, p.pool is not None)]
     if pairs < fewest:
         kind = f"{dtype} state pool" if p.pool is not None else f"{dtype} states"
@@ -86,7 +91,7 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
         ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
     if p.N * p.HV == 0:
         return o, ht
-    dtype = STATE_DTYPES[h0.dtype if h0 is not None else p.final_state_dtype]
+    dtype = STATE_DTYPES[state_dtype(p)]
     columns = columns or DEFAULT_COLUMNS[dtype]
     if columns not in abi.DECODE_COLUMNS:
         raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
