@@ -15,7 +15,11 @@ export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p $TRITON_CACHE_DIR
 [[ -f .whl/triton-autotune.tgz ]] && tar xzf .whl/triton-autotune.tgz -C $TRITON_CACHE_DIR && echo "autotune cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) entries"
 save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tgz" -T -); }
-trap save_autotune EXIT
+# At most 8 files come back from $OUT (the device tool): the logs travel as one archive, beside the
+# results and the autotune archive (2026-12-02: a call's ninth and later files, its test log among
+# them, were lost).
+pack_logs() { (cd "$OUT" && ls *.log *.csv 2>/dev/null | tar czf logs.tgz -T - && ls *.log *.csv 2>/dev/null | xargs -r rm -f); }
+trap 'save_autotune; pack_logs' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
 step=${1:-all}
@@ -133,6 +137,6 @@ if [[ $step == *decodeprof* ]]; then  # ncu of decode configurations: DECODE_PRO
       > "$OUT/ncu-decode-${cfg//,/-}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Issued Ipc|No Eligible|Stall|One or More|Warp Cycles Per Issued|Theoretical Occ|Block Limit" "$OUT/ncu-decode-${cfg//,/-}.log" | head -40
   done
 fi
-if [[ $step == *decode* && $step != *decodeprof* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
+if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
