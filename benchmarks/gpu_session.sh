@@ -73,6 +73,9 @@ if [[ $step == *profile* ]]; then
   if [[ $parts == *host* ]]; then
     timeout 90 python3 benchmarks/cuda_profile.py host > "$OUT/host-profile.log" 2>&1; head -45 "$OUT/host-profile.log"
   fi
+  if [[ $parts == *prefill* ]]; then  # the serving prefill's host time, cProfile (benchmarks/cuda_profile.py prefill)
+    timeout 120 python3 benchmarks/cuda_profile.py prefill > "$OUT/prefill-profile.log" 2>&1; head -50 "$OUT/prefill-profile.log"
+  fi
   if [[ $parts == *parts* ]]; then  # the host time's pieces, timed one by one (benchmarks/host_parts.py)
     timeout 120 python3 benchmarks/host_parts.py > "$OUT/host-parts.log" 2>&1; cat "$OUT/host-parts.log"
   fi

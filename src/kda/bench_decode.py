@@ -228,6 +228,21 @@ PREFILL_LONGEST = 512
 PREFILL_LAYOUTS = 16  # layouts cycled through, one per call
 
 
+def prefill_inputs(seed: int = 3):
+    """``(layouts, tensors, kw)`` of the serving prefill: PREFILL_LAYOUTS pairs of ``cu_seqlens``
+    (device, host) and inputs long enough for the longest layout (``x[:, :cu[-1]]`` of each)."""
+    gen = torch.Generator().manual_seed(seed)
+    layouts = []
+    for _ in range(PREFILL_LAYOUTS):
+        lengths = torch.randint(1, PREFILL_LONGEST + 1, (PREFILL_SEQUENCES,), generator=gen)
+        host = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        layouts.append((host.cuda(), host))
+    most = max(int(h[-1]) for _, h in layouts)
+    t, kw = decode_inputs(1, T=most, seed=seed)
+    kw["initial_state"] = kw["initial_state"].expand(PREFILL_SEQUENCES, -1, -1, -1).contiguous()
+    return layouts, t, kw
+
+
 def prefill(seed: int = 3) -> dict:
     """The serving prefill: varlen calls whose lengths change on every call (cycling through
     PREFILL_LAYOUTS layouts of PREFILL_SEQUENCES sequences, 1 to PREFILL_LONGEST tokens each),
@@ -240,15 +255,7 @@ def prefill(seed: int = 3) -> dict:
 
     import kda
 
-    gen = torch.Generator().manual_seed(seed)
-    layouts = []
-    for _ in range(PREFILL_LAYOUTS):
-        lengths = torch.randint(1, PREFILL_LONGEST + 1, (PREFILL_SEQUENCES,), generator=gen)
-        host = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        layouts.append((host.cuda(), host))
-    most = max(int(h[-1]) for _, h in layouts)
-    t, kw = decode_inputs(1, T=most, seed=seed)
-    kw["initial_state"] = kw["initial_state"].expand(PREFILL_SEQUENCES, -1, -1, -1).contiguous()
+    layouts, t, kw = prefill_inputs(seed)
     calls = {"kda": kda.chunk_kda}
     if importlib.util.find_spec("fla") is not None:
         os.environ["FLA_FLASH_KDA"] = "0"
