@@ -116,8 +116,8 @@ for BV, num_warps in ((32, 8), (64, 4)):
         dict(BK=128, BV=BV, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
         num_warps,
     )  # fmt: skip
-# float32 products on the CUDA cores (16 x 16 results, exact; a few % of the backward's time)
-build(chunk_du_grads_kernel, {"HV": "i32", "V": "i32"}, dict(BV=64), 4, tensor_cores=False)
+# float32-accurate products on the tensor cores (chunk_grad.DU_PRECISION)
+build(chunk_du_grads_kernel, {"HV": "i32", "V": "i32"}, dict(BV=64), 4)
 # the safe lower-bound gate in one launch; the others in two (prepare.FAR_LAUNCHES)
 for gate, pairwise in ((0, False), (0, True), (1, False), (2, False), (2, True)):
     build(

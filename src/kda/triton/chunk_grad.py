@@ -66,6 +66,10 @@ from kda.triton.recurrence import _mm
 
 ROWS = tl.constexpr(CHUNK)
 DU_SLICE = 64  # V columns of dU, V and dO chunk_du_grads_kernel holds at once
+# chunk_du_grads_kernel's products: float32 accuracy on the tensor cores (three tf32 products a
+# dot). On the CUDA cores ("ieee") the kernel took 0.485 ms of a 5.7 ms training step on
+# 1x8192 H32 (H200, 2026-12-01) for about 50 us of float32 FMA work.
+DU_PRECISION = tl.constexpr("tf32x3")
 # Columns of K chunk_input_grads_kernel holds at once. With all of K at once (a dozen [16, 128]
 # float32 tiles live) ptxas gave it 255 registers and 0.9 KB of spill code at 8 warps (sm_90,
 # Triton 3.6, 2026-12-01) and the H200 ran it at 12.5% occupancy (benchmarks/NOTES.md).
@@ -221,7 +225,8 @@ def chunk_du_grads_kernel(
     v, do, seq_offsets, chunk_offsets, chunk_seq, inverse_beta, d_u, dv, d_squares, HV, V, BV: tl.constexpr
 ):
     """dU's products over V that need no state, one (chunk, value head): ``dV = inverse_beta^T
-    dU`` (stored), ``dU V^T`` and ``dO V^T`` (to ``d_squares`` [2, NC, HV, 16, 16])."""
+    dU`` (stored), ``dU V^T`` and ``dO V^T`` (to ``d_squares`` [2, NC, HV, 16, 16]), in
+    ``DU_PRECISION``."""
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     _n, _bos, eos, _first, t0 = chunk_position(chunk_seq, seq_offsets, chunk_offsets, i_c)
@@ -242,9 +247,9 @@ def chunk_du_grads_kernel(
         io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
         b_vt = tl.trans(tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32))
         b_du = tl.load(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], mask=v_ok[None, :], other=0.0)
-        du_vt += tl.dot(b_du, b_vt, input_precision="ieee")
-        do_vt += tl.dot(tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32), b_vt, input_precision="ieee")
-        tl.store(dv + io, tl.dot(b_ibt, b_du, input_precision="ieee").to(dv.dtype.element_ty), mask=io_mask)
+        du_vt += tl.dot(b_du, b_vt, input_precision=DU_PRECISION)
+        do_vt += tl.dot(tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32), b_vt, input_precision=DU_PRECISION)
+        tl.store(dv + io, tl.dot(b_ibt, b_du, input_precision=DU_PRECISION).to(dv.dtype.element_ty), mask=io_mask)
     tl.store(d_squares + square, du_vt)
     tl.store(d_squares + tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS + square, do_vt)
 
