@@ -155,6 +155,40 @@ def test_bench_table_renders_every_section():
         assert expected in table, table
 
 
+def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path):
+    """``kda bench --train`` Markdown from a synthetic report where kda-cuda ran the first case
+    and refused the second (the softplus gate): "-" cells, its kernels apart, the refusal said."""
+    from kda import bench
+
+    grads = dict.fromkeys(bench.GRAD_NAMES, 2e-3)
+    report = {
+        "gpu": "GPU", "date": "2026-12-02", "versions": {"kda": "0.1.0"},
+        "cases": [
+            {"case": "1x8192 H32", "fwd_ms": {"kda-triton": 0.8, "kda-cuda": 0.5, "fla": 1.9},
+             "fwd_bwd_ms": {"kda-triton": 5.0, "kda-cuda": 4.6, "fla": 4.6},
+             "peak_extra_GB": {"kda-triton": 1.9, "kda-cuda": 1.9, "fla": 2.0},
+             "fwd_bwd_ratio_to_fla": {"kda-triton": 1.087, "kda-cuda": 1.0, "fla": 1.0},
+             "kernel_ms": {"kda-triton": {"prepare_chunks_kernel": 0.6}, "kda-cuda": {"kda_recurrence": 0.3}},
+             "not_run": {}},
+            {"case": "1x8192 H32 softplus", "fwd_ms": {"kda-triton": 0.9, "fla": 1.5},
+             "fwd_bwd_ms": {"kda-triton": 6.0, "fla": 5.9}, "peak_extra_GB": {"kda-triton": 1.9, "fla": 2.0},
+             "fwd_bwd_ratio_to_fla": {"kda-triton": 1.017, "fla": 1.0},
+             "kernel_ms": {"kda-triton": {"prepare_chunks_kernel": 0.9}},
+             "not_run": {"kda-cuda": "backend='cuda' cannot run it: the softplus gate"}},
+        ],
+        "grad_accuracy_vs_fp64": [dict(grads, case="lens [1024] H32", impl="kda-cuda")],
+    }  # fmt: skip
+    table = bench.train_markdown_table(report)
+    expected = (
+        "| 1x8192 H32 softplus | 6.000 | - | 5.900 | 1.017 | - |",
+        "| 1x8192 H32 | kda-cuda | kda_recurrence | 0.300 |",
+        "1x8192 H32 softplus, kda-cuda not run: backend='cuda' cannot run it: the softplus gate",
+    )
+    for line in expected:
+        assert line in table, table
+    bench.train_plot(report, tmp_path / "train.png")  # no KeyError for the missing bars
+
+
 def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     """``kda bench --decode`` and ``--long`` Markdown from synthetic reports (their device runs
     write the table after every case: a formatting error would end a run), and the long

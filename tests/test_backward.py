@@ -376,15 +376,49 @@ def test_gpu_bf16_gradients_no_worse_than_fla(lens):
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_cuda_backend_refuses_training_and_auto_trains_on_triton():
-    case = make_case(T=64, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=15)
-    q = case.q.clone().requires_grad_()
-    with pytest.raises(kda.BackendUnavailableError, match="no backward"):
-        kda.chunk_kda(q, *case.tensors()[1:], backend="cuda", **case.kwargs())
+@pytest.mark.parametrize("layout", [False, True])
+def test_gpu_cuda_training_forward_writes_the_checkpoints_triton_does(layout):
+    """K2's checkpoints (the state entering every fourth chunk of each sequence) against the
+    Triton forward's on the same inputs: every real row written and close (both round the
+    state's products to bf16 operands), the bound's spare rows untouched (NaN poison)."""
+    from kda.cuda.forward import chunk_forward as cuda_chunk_forward
+    from kda.tables import chunk_tables
+    from kda.triton.training import checkpoint_shape, train_forward
+
+    case = make_case(seq_lens=[130, 1, 0, 64, 200], H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+                     state_v_first=layout, seed=16)  # fmt: skip
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    rows = chunk_tables(p).checkpoint_offsets[-1].item()
+    assert rows == 3 + 1 + 0 + 1 + 4  # ceil(L / 64) per sequence
+    ours = torch.full(checkpoint_shape(p), float("nan"), device="cuda")
+    o, _ = cuda_chunk_forward(p, ours)
+    o_t, _, theirs = train_forward(p)
+    assert ours[:rows].isfinite().all(), "a checkpoint element was never written"
+    assert ours[rows:].isnan().all(), "a write landed past the real checkpoint rows"
+    assert rel(ours[:rows], theirs[:rows]) < 1e-2, rel(ours[:rows], theirs[:rows])
+    assert rel(o, o_t) < 1e-2
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_trains_forward_on_cuda_backward_on_triton():
+    """backend="cuda" (and auto) with grads: the forward runs K1 and K2 (saving checkpoints),
+    the backward Triton's kernels; the log says so; every gradient (bf16 inputs, varlen,
+    a gradient into the final state) as close to fp64 as the Triton-only path's, within 10%."""
+    case = make_case(seq_lens=[300, 17, 129], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=15)
+    ref = gradients(case.to(torch.float64), "torch")
+    triton_only = gradients(case, "triton")
     with kda.record_dispatch() as events:
-        o, _ = kda.chunk_kda(q, *case.tensors()[1:], **case.kwargs())
-        o.float().sum().backward()
-    assert events[0] == "chunk_kda -> triton (forward and backward)" and "triton:chunk_grads" in events
+        ours = gradients(case, "cuda")
+    assert events == ["chunk_kda -> cuda (forward on cuda with checkpoints, backward on triton)", "cuda:prepare",
+                      "cuda:recurrence", "chunk_kda backward -> triton", "triton:prepare_chunks",
+                      "triton:state_grad_chain", "triton:chunk_grads"], events  # fmt: skip
+    for name in ref:
+        ours_err, triton_err = rel(ours[name], ref[name]), rel(triton_only[name], ref[name])
+        assert ours_err <= 1.1 * triton_err + 1e-4, f"d{name}: cuda forward {ours_err:.3e} vs triton {triton_err:.3e}"
+    with kda.record_dispatch() as events:
+        gradients(case, "auto")
+    assert events[0].startswith("chunk_kda -> cuda (forward on cuda"), events
 
 
 @pytest.mark.gpu

@@ -22,6 +22,13 @@ L2NORM_EPS = 1e-6  # q / sqrt(sum q^2 + eps), k likewise
 # safe_gate's lower bound: from lb >= this, no 16-token row of the lower-bound gate decays past
 # 2^-EXP2_LIMIT (16 * 5 * log2(e) = 115.4 < 116), so the kernels skip the far-row path.
 SAFE_LOWER_BOUND_MIN = -5.0
+# The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
+# sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
+# chunk from its own checkpoint (at most CHECKPOINT_CHUNKS - 1 chunk steps). Four chunks
+# (64 tokens, fla's chunk) keep a quarter of the per-chunk states between forward and
+# backward. docs/algorithm.md section 8 has the account. Triton's recurrence and the CUDA K2
+# both write them.
+CHECKPOINT_CHUNKS = 4
 assert -SAFE_LOWER_BOUND_MIN * CHUNK * math.log2(math.e) < EXP2_LIMIT
 # A log-decay below this is a hard reset of its key channel (spec section 9): exp(-104) is under
 # half of float32's smallest subnormal, so float32 rounds any decay through such a step to 0,
@@ -47,6 +54,8 @@ FLAG_NAMES = (
     "varlen",  # sequences are cu_seqlens spans (else B sequences of `tokens` tokens each)
     "indices_int64",  # slot indices are int64 (else int32)
     "accepted_int64",  # num_accepted_tokens is int64 (else int32)
+    # the chunk kernels' (Params) only:
+    "store_checkpoints",  # K2 writes the training forward's checkpoints (CHECKPOINT_CHUNKS)
 )
 FLAGS = {name: 1 << bit for bit, name in enumerate(FLAG_NAMES)}
 
@@ -68,6 +77,8 @@ PARAMS = (
     ("chunk_offsets", "const int64_t*", "ptr"),  # [N + 1] first global chunk of each sequence
     ("chunk_seq", "const int64_t*", "ptr"),  # [num_chunks] sequence of each chunk
     ("seq_order", "const int64_t*", "ptr"),  # [N * H] (sequence, head) pairs, longest sequence first
+    ("checkpoints", "float*", "ptr"),  # [rows, H, 128 (V), 128 (K)] fp32 (store_checkpoints), or null
+    ("checkpoint_offsets", "const int64_t*", "ptr"),  # [N + 1] first checkpoint row of each sequence
     ("num_chunks", "int64_t", "i64"),
     ("num_seqs", "int64_t", "i64"),
     ("heads", "int64_t", "i64"),
@@ -190,6 +201,7 @@ def header() -> str:
         f"constexpr float kHardReset = {HARD_RESET!r}f;",
         f"constexpr int kPrepareThreads = {PREPARE_THREADS};",
         f"constexpr int kStages = {STAGES};",
+        f"constexpr int kCheckpointChunks = {CHECKPOINT_CHUNKS};",
         "",
         "enum : int64_t {",
         *(f"  {c_flag_name(name)} = int64_t(1) << {bit}," for bit, name in enumerate(FLAG_NAMES)),

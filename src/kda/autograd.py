@@ -1,11 +1,12 @@
-"""The autograd boundary: one ``torch.library.custom_op`` pair for the chunked KDA of a backend
-with a backward (today: Triton), its fake (shape) functions and its backward registered beside
-it, so eager autograd, ``torch.compile`` and AOTAutograd share one code path.
+"""The autograd boundary: one ``torch.library.custom_op`` pair for the chunked KDA with
+Triton's backward, its fake (shape) functions and its backward registered beside it, so eager
+autograd, ``torch.compile`` and AOTAutograd share one code path.
 
 - ``kda::chunk_fwd``: ``(o, final_state, checkpoints)``; the checkpoints are what the backward
-  needs (``kda.triton.training``), empty when no backward will run. Inference calls that
-  torch.compile traces run through it too, on Triton or on the CUDA path (``use_cuda``): its
-  launches through cuda-python are opaque to dynamo, which would break the graph there.
+  needs (``kda.triton.training``), empty when no backward will run. The forward runs on Triton
+  or on the CUDA path (``use_cuda``: K2 writes the same checkpoints). Inference calls that
+  torch.compile traces run through it too: the CUDA path's launches through cuda-python are
+  opaque to dynamo, which would break the graph there.
 - ``kda::chunk_bwd``: the gradients of every differentiable input.
 
 Both take the checked call (:class:`kda.validation.Problem`) flattened into tensors and plain
@@ -62,25 +63,32 @@ def chunk_fwd(
     allow_neg_eigval: bool, safe_gate: bool, state_v_first: bool, final_state_dtype: torch.dtype,
     save_checkpoints: bool, use_cuda: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The chunked forward on Triton (or, without checkpoints, on the CUDA path): ``(o,
-    final_state or an empty tensor, checkpoints or an empty tensor)``."""
+    """The chunked forward on Triton or on the CUDA path (``use_cuda``, a problem the CUDA
+    backend accepted): ``(o, final_state or an empty tensor, checkpoints or an empty tensor)``.
+    Either path writes the checkpoints the Triton backward starts from."""
     from kda.triton import chunk_forward
-    from kda.triton.training import train_forward
+    from kda.triton.training import checkpoint_shape, train_forward
 
     p = _problem(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, lower_bound,
                  output_final_state, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate,
                  state_v_first, final_state_dtype)  # fmt: skip
     with dispatch.on_device_of(q):  # Triton launches on the current device, not the tensors'
-        if save_checkpoints:
-            o, ht, checkpoints = train_forward(p)
-        elif use_cuda and (why := _cuda_misaligned(p)) is None:
+        why = _cuda_misaligned(p) if use_cuda else "not asked"
+        if use_cuda and why is None:
             from kda.cuda.forward import chunk_forward as cuda_chunk_forward
 
-            (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
+            if save_checkpoints:
+                checkpoints = q.new_empty(checkpoint_shape(p), dtype=torch.float32)
+                o, ht = cuda_chunk_forward(p, checkpoints)
+            else:
+                (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
         else:
-            if use_cuda:  # the address test dynamo could not trace (kda.cuda.CudaBackend.rejects)
-                dispatch.note(f"cuda refused under torch.compile: {why}; Triton runs it")
-            (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
+            if use_cuda:  # the address test rejects cannot run under compile (kda.cuda.CudaBackend.rejects)
+                dispatch.note(f"cuda refused: {why}; Triton runs it")
+            if save_checkpoints:
+                o, ht, checkpoints = train_forward(p)
+            else:
+                (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
     return o, (q.new_empty(0, dtype=final_state_dtype) if ht is None else ht), checkpoints
 
 
@@ -174,6 +182,7 @@ chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def chunk_kda_trainable(p: Problem, use_cuda: bool = False) -> tuple[Tensor, Tensor | None]:
     """Run ``p`` through :func:`chunk_fwd` (the autograd-aware path, and the one torch.compile
-    traces): ``(o, final_state or None)``. ``use_cuda``: the CUDA path's forward (inference)."""
+    traces): ``(o, final_state or None)``. ``use_cuda``: the forward on the CUDA path (which
+    saves the checkpoints when ``p`` requires grad); the backward always runs on Triton."""
     o, ht, _ = chunk_fwd(*_problem_args(p), p.requires_grad, use_cuda)
     return o, (ht if p.output_final_state else None)

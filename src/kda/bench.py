@@ -376,10 +376,14 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 def train_contenders() -> dict:
     """name -> callable(tensors, kwargs) -> (o, final_state), for the implementations with a
-    backward: kda's Triton path and fla's chunk_kda (FLA_FLASH_KDA=0)."""
+    backward: kda's Triton path, kda's CUDA path where it is built (its forward, saving the
+    checkpoints, then Triton's backward) and fla's chunk_kda (FLA_FLASH_KDA=0)."""
     import kda
+    import kda.cuda
 
     out = {"kda-triton": lambda t, kw: kda.chunk_kda(*t, backend="triton", **kw)}
+    if kda.cuda.BACKEND.availability() is None:
+        out["kda-cuda"] = lambda t, kw: kda.chunk_kda(*t, backend="cuda", **kw)
     if importlib.util.find_spec("fla") is not None:
         os.environ["FLA_FLASH_KDA"] = "0"
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -457,13 +461,21 @@ def train_main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{props.name.split()[-1].lower()}-{date}-train{args.tag}"
     cases = [TRAIN_CASES[int(i)] for i in args.cases.split(",")] if args.cases else TRAIN_CASES
+    import kda
+
     for case in cases:
         tensors, kw = make_inputs(case)
-        row = {"case": case["name"], "fwd_ms": {}, "fwd_bwd_ms": {}, "peak_extra_GB": {}, "first_call_s": {}}
+        row = {"case": case["name"], "fwd_ms": {}, "fwd_bwd_ms": {}, "peak_extra_GB": {}, "first_call_s": {},
+               "kernel_ms": {}, "not_run": {}}  # fmt: skip
         for name, call in calls.items():
             leaves, kw_i, grad_leaves, grads_out = train_inputs(tensors, kw)
             start = time.perf_counter()
-            fwd_bwd(call, leaves, kw_i, grads_out)
+            try:
+                fwd_bwd(call, leaves, kw_i, grads_out)
+            except kda.BackendUnavailableError as refused:  # kda-cuda on the softplus gate
+                row["not_run"][name] = str(refused)
+                print(f"  {name}: not run: {refused}", flush=True)
+                continue
             torch.cuda.synchronize()
             row["first_call_s"][name] = time.perf_counter() - start
             for x in grad_leaves:
@@ -482,7 +494,7 @@ def train_main(args) -> int:
                 lambda: call(leaves, kw_i), warmup=25, rep=100, return_mode="median"
             )
             if name.startswith("kda-"):
-                row["kernel_ms"] = kernel_times(lambda: fwd_bwd(call, leaves, kw_i, grads_out), iters=5)
+                row["kernel_ms"][name] = kernel_times(lambda: fwd_bwd(call, leaves, kw_i, grads_out), iters=5)
             print(f"  {name}: fwd+bwd {row['fwd_bwd_ms'][name]:.3f} ms, fwd {row['fwd_ms'][name]:.3f} ms, "
                   f"peak extra {row['peak_extra_GB'][name]:.2f} GB (first call {row['first_call_s'][name]:.1f} s)",
                   flush=True)  # fmt: skip
@@ -496,8 +508,13 @@ def train_main(args) -> int:
     return 0
 
 
+def _train_impls(report: dict) -> list[str]:
+    """Every implementation timed on some case, in the order first timed."""
+    return list(dict.fromkeys(n for row in report["cases"] for n in row["fwd_bwd_ms"]))
+
+
 def train_markdown_table(report: dict) -> str:
-    impls = list(report["cases"][0]["fwd_bwd_ms"])
+    impls = _train_impls(report)
     others = [n for n in impls if n != "fla"]
     lines = [
         f"{report['gpu']}, {report['date']}, " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
@@ -509,13 +526,19 @@ def train_markdown_table(report: dict) -> str:
     ]  # fmt: skip
     for row in report["cases"]:
         ratios = row.get("fwd_bwd_ratio_to_fla", {})
-        cells = [f"{row['fwd_bwd_ms'][n]:.3f}" for n in impls]
-        cells += [f"{ratios[n]:.3f}" if n in ratios else "-" for n in others]
-        cells += [f"{row['fwd_ms'][n]:.3f}" for n in impls] + [f"{row['peak_extra_GB'][n]:.2f}" for n in impls]
+
+        def cells_of(field, digits):
+            return [f"{row[field][n]:.{digits}f}" if n in row[field] else "-" for n in impls]
+
+        cells = cells_of("fwd_bwd_ms", 3) + [f"{ratios[n]:.3f}" if n in ratios else "-" for n in others]
+        cells += cells_of("fwd_ms", 3) + cells_of("peak_extra_GB", 2)
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
-    lines += ["", "| per kernel, one fwd+bwd | kernel | ms |", "|---|---|---:|"]
+    lines += ["", "| per kernel, one fwd+bwd | impl | kernel | ms |", "|---|---|---|---:|"]
     for row in report["cases"]:
-        lines += [f"| {row['case']} | {kernel} | {ms:.3f} |" for kernel, ms in row.get("kernel_ms", {}).items()]
+        for impl, kernels in row.get("kernel_ms", {}).items():
+            lines += [f"| {row['case']} | {impl} | {kernel} | {ms:.3f} |" for kernel, ms in kernels.items()]
+    for row in report["cases"]:
+        lines += [f"\n{row['case']}, {impl} not run: {why}" for impl, why in row.get("not_run", {}).items()]
     lines += ["", "| gradient accuracy | impl | " + " | ".join(f"d{g}" for g in GRAD_NAMES) + " |",
               "|---|---|" + "---:|" * len(GRAD_NAMES)]  # fmt: skip
     for a in report["grad_accuracy_vs_fp64"]:
@@ -541,13 +564,14 @@ def train_plot(report: dict, path: Path) -> None:
     if plt is None:
         return
     cases = [r["case"] for r in report["cases"]]
-    impls = list(report["cases"][0]["fwd_bwd_ms"])
+    impls = _train_impls(report)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(impls)
     for i, name in enumerate(impls):
         xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
-        ax_t.bar(xs, [r["fwd_bwd_ms"][name] for r in report["cases"]], width, label=name)
-        ax_m.bar(xs, [r["peak_extra_GB"][name] for r in report["cases"]], width, label=name)
+        nan = float("nan")  # an implementation a case did not run: no bar
+        ax_t.bar(xs, [r["fwd_bwd_ms"].get(name, nan) for r in report["cases"]], width, label=name)
+        ax_m.bar(xs, [r["peak_extra_GB"].get(name, nan) for r in report["cases"]], width, label=name)
     for ax, label in ((ax_t, "fwd+bwd ms (median, do_bench)"), (ax_m, "peak extra memory, GB")):
         ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right")
         ax.set_ylabel(label)

@@ -30,6 +30,9 @@ BACKEND_MODULES = {"cuda": "kda.cuda", "triton": "kda.triton", "torch": "kda.tor
 
 class Backend(Protocol):
     name: str
+    # What a call with grad runs where, for the dispatch log: "forward and backward" (one
+    # backend both ways), or the CUDA backend's split (its forward, Triton's backward).
+    training: str
 
     def availability(self) -> str | None:
         """None when the backend can run on this machine, else why not."""
@@ -200,7 +203,7 @@ def select(problem: Problem, requested: str) -> Backend:
                 log_once(f"{problem.op}: {name} rejected: {reason}")
         assert chosen is not None, "the torch backend accepts every checked problem"
     if not compiling:  # a traced call logs nothing here; its kernels note themselves when they run
-        decision = f"{problem.op} -> {chosen.name}" + (" (forward and backward)" if problem.requires_grad else "")
+        decision = f"{problem.op} -> {chosen.name}" + (f" ({chosen.training})" if problem.requires_grad else "")
         log_once(decision)
         note(decision)
     return chosen

@@ -24,12 +24,7 @@ from kda.intmath import cdiv, next_power_of_2
 CHUNK = abi.CHUNK  # tokens per chunk
 _ROWS = tl.constexpr(CHUNK)  # the same, as the kernels may read it
 DOT_MIN = 16  # tl.dot's smallest M, N and K: a block that feeds a dot is at least this wide
-# The training forward saves the state entering every CHECKPOINT_CHUNKS-th chunk of each
-# sequence (float32, [rows, HV, V, K]); the backward recomputes the states in between, each
-# chunk from its own checkpoint (at most CHECKPOINT_CHUNKS - 1 chunk steps). Four chunks
-# (64 tokens, fla's chunk) keep a quarter of the per-chunk states between forward and
-# backward. docs/algorithm.md section 8 has the account.
-CHECKPOINT_CHUNKS = 4
+CHECKPOINT_CHUNKS = abi.CHECKPOINT_CHUNKS  # chunks between the training forward's saved states
 # Sequences and chunk slots per program of the builder (its matrices are BLOCK x BLOCK).
 BLOCK = 64
 # The longest-first order of the CUDA recurrence's schedule is ranked for up to this many

@@ -53,6 +53,7 @@ def run_reference(p: Problem, dtype: torch.dtype, recurrent: bool) -> tuple[torc
 
 class TorchBackend:
     name = "torch"
+    training = "forward and backward"
 
     def availability(self) -> str | None:
         return None

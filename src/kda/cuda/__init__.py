@@ -87,6 +87,7 @@ def misaligned(p: Problem) -> str | None:
 
 class CudaBackend:
     name = "cuda"
+    training = "forward on cuda with checkpoints, backward on triton"
 
     def availability(self) -> str | None:
         if TURNED_OFF:
@@ -121,8 +122,8 @@ class CudaBackend:
         if p.g.dtype not in READ_DTYPES or p.beta.dtype not in READ_DTYPES:
             name, x = ("g", p.g) if p.g.dtype not in READ_DTYPES else ("beta", p.beta)
             return f"`{name}` in {x.dtype} (the CUDA kernels read bfloat16 or float32)"
-        if p.requires_grad:
-            return "inputs require grad and the CUDA path has no backward (backend='auto' trains on Triton)"
+        if p.requires_grad and p.pool is not None:
+            return "inputs require grad: the decode kernel has no backward"
         if not q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {q.device} (needs CUDA tensors)"
         if _capability(q.get_device()) != (9, 0):
@@ -134,7 +135,9 @@ class CudaBackend:
         return misaligned(p)
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if torch.compiler.is_compiling():  # a custom op: dynamo cannot trace the cuda-python launch
+        # Under compile a custom op (dynamo cannot trace the cuda-python launch); with grad the
+        # same op, whose forward here saves the checkpoints and whose backward is Triton's.
+        if p.requires_grad or torch.compiler.is_compiling():
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p, use_cuda=True)

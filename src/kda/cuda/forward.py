@@ -84,6 +84,7 @@ FLAG_BETA_SIGMOID = loader.FLAGS["beta_sigmoid"]
 FLAG_HAS_H0 = loader.FLAGS["has_h0"]
 FLAG_STORE_HT = loader.FLAGS["store_ht"]
 FLAG_STATE_V_FIRST = loader.FLAGS["state_v_first"]
+FLAG_STORE_CHECKPOINTS = loader.FLAGS["store_checkpoints"]
 FLAG_G_FLOAT32 = loader.FLAGS["g_float32"]
 FLAG_BETA_FLOAT32 = loader.FLAGS["beta_float32"]
 FLAG_H0_BFLOAT16 = loader.FLAGS["h0_bfloat16"]
@@ -109,8 +110,10 @@ def stream_capturing(device_index: int) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def chunk_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run K1 and K2 for a problem the backend accepted: ``(o, final state or None)``."""
+def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run K1 and K2 for a problem the backend accepted: ``(o, final state or None)``. With
+    ``checkpoints`` (float32 ``[rows, H, V, K]``, kda.triton.training.checkpoint_shape) K2
+    also writes the training forward's state checkpoints there."""
     kernels, device_index, stream, capturing = _launch_context(p)
     q = p.q
     o = torch.empty_like(p.v)
@@ -130,7 +133,7 @@ def chunk_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         workspace = stream_workspace(q, stream, nbytes)
     else:
         workspace = q.new_empty(nbytes, dtype=torch.uint8)
-    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True)
+    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
     return o, ht
 
 
@@ -183,8 +186,9 @@ def input_flags(p: Problem) -> int:
     return bits
 
 
-def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare) -> None:
-    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2."""
+def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None) -> None:
+    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
+    ``checkpoints`` where given)."""
     q, N, H = p.q, p.N, p.H
     num_chunks = tables.num_chunks
     A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
@@ -199,6 +203,8 @@ def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prep
             bits |= FLAG_HT_BFLOAT16
     if p.state_v_first:
         bits |= FLAG_STATE_V_FIRST
+    if checkpoints is not None:
+        bits |= FLAG_STORE_CHECKPOINTS
 
     warps = recurrence_warps(N * H, sm_count(device_index))
     params = (  # loader.Params, field by field
@@ -206,6 +212,7 @@ def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prep
         0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
         o.data_ptr(), workspace.data_ptr(), *tables.addresses,
+        0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_offsets.data_ptr(),
         num_chunks, N, H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip

@@ -138,7 +138,21 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
                                                              warp * Stage<WARPS>::kOutBytes);
 
+  // The training forward's checkpoints: the float32 state entering every kCheckpointChunks-th
+  // chunk, [rows, H, V, K] (as kda/triton/recurrence.py writes them), this warp's 16 V rows.
+  float* checkpoint = nullptr;
+  if (p.flags & kStoreCheckpoints)
+    checkpoint = p.checkpoints + (p.checkpoint_offsets[n] * p.heads + h) * (kHeadDim * kHeadDim) +
+                 (v_warp + lane.g) * kHeadDim + 2 * lane.t;
   for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+    if (checkpoint != nullptr && i % kCheckpointChunks == 0) {
+      // Elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8.
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<float2*>(checkpoint + 8 * j) = make_float2(St[j][0], St[j][1]);
+        *reinterpret_cast<float2*>(checkpoint + 8 * kHeadDim + 8 * j) = make_float2(St[j][2], St[j][3]);
+      }
+      checkpoint += p.heads * (kHeadDim * kHeadDim);  // the sequence's next checkpoint row
+    }
     mbarrier_wait(full[stage], round_parity);
 
     const unsigned char* st = smem + stage * Stage<WARPS>::kBytes;

@@ -76,6 +76,7 @@ def run_stages(
 
 class TritonBackend:
     name = "triton"
+    training = "forward and backward"
 
     def availability(self) -> str | None:
         if interpreting():

@@ -111,7 +111,7 @@ def recurrence_v_split_kernel(
     if HAS_H0:
         St += tl.load(h0 + state_tile, mask=state_mask, other=0.0).to(tl.float32)
     if CHECKPOINT:
-        # [rows, HV, V, K], float32: the backward's starting points (common.CHECKPOINT_CHUNKS)
+        # [rows, HV, V, K], float32: the backward's starting points (abi.CHECKPOINT_CHUNKS)
         checkpoint_tile = (tl.load(checkpoint_offsets + n) * HV + i_hv) * K * V + cols_v[:, None] * K + rows_k[None, :]
 
     operand_dtype = q_decayed.dtype.element_ty
