@@ -255,6 +255,23 @@ def chunk_du_grads_kernel(
 
 
 @triton.jit
+def _sum_before_last(s1, l1, s2, l2):
+    """Joins two runs of rows, each as (sum of all rows but its last, its last row)."""
+    return s1 + l1 + s2, l2
+
+
+@triton.jit
+def _exclusive_cumsum(x):
+    """``sum_{i < t} x_i`` for every row t (row 0 gets 0): no difference of two sums, so nothing
+    cancels. Formed as a scan rather than a product with the strictly lower ones: that float32
+    dot on the CUDA cores held its constant operand in registers across the passes (ptxas at the
+    autotuner's maxnreg 168: 224 -> 40 B of spill stores for the safe gate; sm_90, Triton 3.6,
+    2026-12-02)."""
+    before, _last = tl.associative_scan((tl.zeros(x.shape, x.dtype), x), 0, _sum_before_last)
+    return before
+
+
+@triton.jit
 def _pair_products(b_k, G2, R, rows):
     """``sum_c k_ic k_jc exp(G_ic - G_jc)`` over the columns of a slice for every pair (i, j),
     formed from the differences (every exponent <= 0): A's unit form where the factored one
@@ -266,7 +283,11 @@ def _pair_products(b_k, G2, R, rows):
     return A_pair
 
 
-@triton.autotune(  # ptxas takes ~250 registers at 4 or 8 warps whatever SLICE is; capped, it spills a little
+# Uncapped, ptxas takes ~250 registers at 4 or 8 warps whatever SLICE is: what fills them is mostly
+# loop invariants it keeps live across the passes (the per-thread shared-memory addresses of the
+# layout conversions, masks, a constant dot operand), not the slices; its figure at a cap (spill
+# bytes at maxnreg 168 and 128) is what the changes move (sm_90, Triton 3.6, 2026-12-02).
+@triton.autotune(
     configs=autotune_configs([{}, {"maxnreg": 168}, {"maxnreg": 128}], warps=(4, 8), stages=(1,)),
     key=["BK", "SLICE", "GATE", "SAFE", "PAIRWISE"],
 )
@@ -323,7 +344,6 @@ def chunk_input_grads_kernel(
     square_plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * ROWS
     slices = tl.cdiv(K, SLICE)
     lower = rows[:, None] > rows[None, :]
-    earlier = tl.where(lower, 1.0, 0.0)
 
     q_rstd = tl.full([ROWS], 1.0, tl.float32)
     k_rstd = tl.full([ROWS], 1.0, tl.float32)
@@ -418,14 +438,17 @@ def chunk_input_grads_kernel(
             d_w = tl.load(d_operands + plane + tile)
             d_kr = tl.load(d_operands + 2 * plane + tile)
             square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
-            b_ib = tl.load(d_squares + square)
             packed = tl.load(d_squares + square_plane + square)
             # M's diagonal (exp(G_i - G_i) = 1) has no decay to differentiate: split off, it adds to
-            # q and k alone, and the exponents' shares below cancel nothing on it.
-            d_M_diag = tl.sum(tl.where(rows[:, None] == rows[None, :], packed, 0.0), axis=1) * scale
+            # q and k alone, and the exponents' shares below cancel nothing on it. It and
+            # inverse_beta^T are read as such from memory (L1), not picked out of the square
+            # (a sum over its columns) and transposed in registers: ptxas at maxnreg 168, 40 -> 8 B
+            # of spill stores (safe gate; sm_90, Triton 3.6, 2026-12-02).
+            d_M_diag = tl.load(d_squares + square_plane + ws * ROWS * ROWS + rows * (ROWS + 1)) * scale
             d_M = tl.where(lower, packed, 0.0)
             dAu = tl.where(lower, tl.trans(packed), 0.0)
-            d_kd = tl.dot(tl.trans(b_ib), d_w, input_precision=DOT_PRECISION)
+            b_ibt = tl.load(d_squares + ws * ROWS * ROWS + rows[None, :] * ROWS + rows[:, None])
+            d_kd = tl.dot(b_ibt, d_w, input_precision=DOT_PRECISION)
             if PAIRWISE:
                 dq_pair, dk_pair, dG_pair = _pairs_direct(dAu, d_M, b_q, b_k, G2, R, scale, rows)
             else:
@@ -436,10 +459,10 @@ def chunk_input_grads_kernel(
             dk_hat += decay * d_kd + to_end * d_kr + dk_pair + d_M_diag[:, None] * b_q
             # dg_t = sum over rows i >= t of dG_i (G = cumsum(g)), plus the terms whose exponent is a
             # sum of later rows: K^_i's exp(G_last - G_i) takes every g_t with t > i (a prefix sum
-            # over i < t, formed as a product with the strictly lower ones: written as G_last minus
-            # G_i, the two would cancel in floating point), gamma's exp(G_last) takes every row.
+            # over i < t, summed as such: written as G_last minus G_i, the two would cancel in floating
+            # point), gamma's exp(G_last) takes every row.
             dG = d_qd * b_qd + d_kd * b_kd + dG_pair
-            d_g = tl.cumsum(dG, axis=0, reverse=True) + tl.dot(earlier, d_kr * b_kr, input_precision="ieee")
+            d_g = tl.cumsum(dG, axis=0, reverse=True) + _exclusive_cumsum(d_kr * b_kr)
             d_g += (tl.load(d_gamma_in + ws * BK + cols) * whole)[None, :]
             if not SAFE:  # a reset step's decay is 0 for every g below HARD_RESET: no gradient
                 d_g = tl.where(b_g < HARD_RESET, 0.0, d_g)
