@@ -46,6 +46,11 @@ PTXAS_STATS = next((a.partition("=")[2] or "*" for a in sys.argv if a.split("=")
 
 
 def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores: bool = True) -> None:
+    # The pipeline depth of the kernel's first autotune config (what a launch compiles), else
+    # 2: at 2 stages the input-gradient kernel takes 255 registers against 252 at its launched
+    # 1 (ptxas, 2026-12-02), so figures at another depth describe another kernel.
+    configs = getattr(kernel, "configs", None)
+    num_stages = configs[0].num_stages if configs else 2
     while not isinstance(kernel, JITFunction):
         kernel = kernel.fn
     sig = {n: POINTERS.get(n, "*bf16") for n in kernel.arg_names}
@@ -59,10 +64,10 @@ def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores:
     compiled = compile(
         ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": 2},
+        options={"num_warps": num_warps, "num_stages": num_stages},
     )
     assert not tensor_cores or "mma" in compiled.asm["ptx"], "no tensor-core instruction in the PTX"
-    print("compiled", kernel.__name__, f"{num_warps} warps", consts)
+    print("compiled", kernel.__name__, f"{num_warps} warps, {num_stages} stages", consts)
     if PTXAS_STATS in ("*", kernel.__name__):
         print("   ", ptxas_stats(compiled.asm["ptx"]))
 
