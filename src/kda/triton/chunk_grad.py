@@ -211,7 +211,7 @@ def chunk_state_grads_kernel(
         )
         tl.store(d_u + ws * ROWS * V + rows[:, None] * V + cols_v[None, :], dU, mask=v_ok[None, :])
         d_qdt += _mm(S, tl.trans(b_do), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-        d_wt -= _mm(S, tl.trans(dU), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+        d_wt += _mm(S, tl.trans(-dU), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)  # accumulated in the MMA
         d_krt += _mm(dS, tl.trans(U), MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
         d_gamma += tl.sum(S * dS, axis=1, keep_dims=True)
 
