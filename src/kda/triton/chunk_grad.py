@@ -5,7 +5,7 @@ slices, which needs the state S entering the chunk and the gradient dS_next of t
 leaving it (``reference.recurrence_step_backward``):
 
 - S comes from the training forward's checkpoint (the state entering the checkpoint's first
-  chunk, ``common.CHECKPOINT_CHUNKS`` chunks apart), stepped forward through the chunks in
+  chunk, ``abi.CHECKPOINT_CHUNKS`` chunks apart), stepped forward through the chunks in
   between with the prepare stage's operands (the forward recurrence's own step);
 - dS_next comes from the reverse chain (``state_grad.py``).
 
