@@ -18,7 +18,8 @@ save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar 
 # At most 8 files come back from $OUT (the device tool): the logs travel as one archive, beside the
 # results and the autotune archive (2026-12-02: a call's ninth and later files, its test log among
 # them, were lost).
-pack_logs() { (cd "$OUT" && ls *.log *.csv 2>/dev/null | tar czf logs.tgz -T - && ls *.log *.csv 2>/dev/null | xargs -r rm -f); }
+# (nullglob: no .csv must not stop the removal, as pipefail made a failed `ls` do in run 29)
+pack_logs() { (cd "$OUT" && shopt -s nullglob && f=(*.log *.csv) && ((${#f[@]})) && tar czf logs.tgz "${f[@]}" && rm -f "${f[@]}"); }
 trap 'save_autotune; pack_logs' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m kda info
