@@ -1,13 +1,15 @@
 """Small CUDA-path calls for compute-sanitizer (memcheck, racecheck): varlen with an empty,
 a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states; then
 the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
-one token, bfloat16). Exits non-zero on a wrong answer."""
+one token, bfloat16); then the training forward's K2 with its checkpoints (the sequences cross
+checkpoint rows), checked against the Triton forward's. Exits non-zero on a wrong answer."""
 
 import sys
 
 import torch
 
 import kda
+import kda.api
 from kda.reference import relative_rms
 
 sys.path.insert(0, "tests")
@@ -42,5 +44,18 @@ for layout, state_dtype, lens in ((False, torch.float32, [3, 0, 1, 2]), (True, t
     case.initial_state = start
     o_ref, ht_ref = fp64_reference(case)
     worst = max(worst, relative_rms(o.cpu(), o_ref), relative_rms(pool[4].float().cpu(), ht_ref[0]))
+case = make_case(seq_lens=[70, 1, 0, 130], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=5)
+p = kda.api.checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+from kda.cuda.forward import chunk_forward  # noqa: E402
+from kda.tables import chunk_tables  # noqa: E402
+from kda.triton.training import checkpoint_shape, train_forward  # noqa: E402
+
+rows = chunk_tables(p).checkpoint_offsets[-1].item()
+checkpoints = torch.full(checkpoint_shape(p), float("nan"), device="cuda")
+chunk_forward(p, checkpoints)
+_, _, triton_checkpoints = train_forward(p)
+torch.cuda.synchronize()
+assert checkpoints[rows:].isnan().all(), "a checkpoint write past the real rows"
+worst = max(worst, relative_rms(checkpoints[:rows].cpu(), triton_checkpoints[:rows].cpu()))
 print(f"cuda smoke: worst relative RMS {worst:.2e}")
 sys.exit(0 if worst <= 5e-3 else 1)
