@@ -433,7 +433,10 @@ def train_accuracy_rows(calls: dict) -> list[dict]:
         ref = {name: x.grad for name, x in zip(GRAD_NAMES, all64)}
         for name, call in calls.items():
             leaves, kw_i, all_i, _ = train_inputs(tensors, kw)
-            fwd_bwd(call, leaves, kw_i, (do, dht))
+            try:
+                fwd_bwd(call, leaves, kw_i, (do, dht))
+            except kda.BackendUnavailableError:  # (a case its backend refuses: none of these yet)
+                continue
             row = {"case": f"lens {lens} H32", "impl": name}
             row.update({g: relative_rms(x.grad, ref[g]) for g, x in zip(GRAD_NAMES, all_i)})
             rows.append(row)

@@ -6,13 +6,17 @@ It covers bf16 inputs with K = V = 128, H = HV, the lower-bound gate or a precom
 varlen and batched, float32 or bfloat16 states in either layout (carried in float32), on
 sm_90 GPUs. Decode shapes (``dispatch.prefers_decode``) and state pools run the decode kernel
 of ``decode.cu`` instead (:mod:`kda.cuda.decode`), which also takes grouped value heads.
-Anything else is refused with the reason and ``backend="auto"`` moves on to Triton.
+Anything else is refused with the reason and ``backend="auto"`` moves on to Triton. A call
+that trains runs its forward here (K2 also writing the state checkpoints) and its backward on
+Triton (:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
 (``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
 
-This release passed tests/test_cuda.py and compute-sanitizer memcheck and racecheck on an
-H200 (``benchmarks/NOTES.md``, 2026-11-30, commit 89af978).
+On an H200 (``benchmarks/NOTES.md``, 2026-12-02, runs 30-32, commit 35e95d2) this release
+passed the whole suite and compute-sanitizer memcheck; racecheck reports hazards between K2's
+bulk copies refilling a pipeline stage and the consumers' reads of it (present before the
+checkpoint stores; most likely the tool not following the one-lane release, not yet settled).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class CudaBackend:
         if p.g.dtype not in READ_DTYPES or p.beta.dtype not in READ_DTYPES:
             name, x = ("g", p.g) if p.g.dtype not in READ_DTYPES else ("beta", p.beta)
             return f"`{name}` in {x.dtype} (the CUDA kernels read bfloat16 or float32)"
-        if p.requires_grad and p.pool is not None:
+        if p.requires_grad and p.pool is not None:  # (validation refuses it first; kept for direct callers)
             return "inputs require grad: the decode kernel has no backward"
         if not q.is_cuda:  # is_cuda and get_device: no torch.device object built per call
             return f"tensors on {q.device} (needs CUDA tensors)"

@@ -1,0 +1,228 @@
+"""Calls with grad on the CUDA backend, on the CPU: its launch is stood in for by Triton's
+forward (which writes the same checkpoints), the rest of the path is real (the routing, the
+feature refusals, the custom op and its fake, torch.compile, the misaligned fallback). The
+kernels themselves: tests/test_backward.py and tests/test_cuda_training.py's GPU tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+import kda
+import kda.cuda
+from helpers import cuda_ready, gradients, make_case, rel
+from kda.api import checked_problem
+from kda.cuda import BACKEND
+
+REAL_REJECTS = type(BACKEND).rejects
+
+
+def cpu_rejects(self, p):
+    """The real checks with the dtype / head-dim / device ones answered as on an H200: the
+    features after them (GVA, softplus, g dtype, pools with grad) still refuse."""
+    fake = dataclasses.replace(p, q=p.q.to(torch.bfloat16), K=128, V=128)
+    reason = REAL_REJECTS(self, fake)
+    return None if reason == "tensors on cpu (needs CUDA tensors)" else reason
+
+
+@pytest.fixture
+def cuda_stand_in():
+    calls = []
+
+    def stand_in(p, checkpoints=None):
+        from kda.triton import chunk_forward
+
+        calls.append(None if checkpoints is None else (tuple(checkpoints.shape), checkpoints.dtype))
+        return chunk_forward(p, checkpoints=checkpoints)
+
+    torch._dynamo.reset()
+    with (
+        mock.patch.object(type(BACKEND), "availability", lambda self: None),
+        mock.patch.object(type(BACKEND), "rejects", cpu_rejects),
+        mock.patch("kda.cuda.forward.chunk_forward", stand_in),
+    ):
+        yield calls
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_grad_call_on_cuda_saves_checkpoints_and_matches_triton(cuda_stand_in, recurrent):
+    from kda.tables import checkpoint_rows
+
+    case = make_case(seq_lens=[40, 1, 0, 17], H=2, K=16, V=16, seed=3)
+    want = gradients(case, "triton", recurrent=recurrent)
+    with kda.record_dispatch() as events:
+        got = gradients(case, "cuda", recurrent=recurrent)
+    op = "fused_recurrent_kda" if recurrent else "chunk_kda"
+    assert events[0] == f"{op} -> cuda (forward on cuda with checkpoints, backward on triton)", events
+    assert "chunk_kda backward -> triton" in events, events
+    rows = checkpoint_rows(1, 58, 4, True)
+    assert cuda_stand_in == [((rows, 2, 16, 16), torch.float32)], cuda_stand_in
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_grad_calls_cuda_cannot_run_are_still_refused(cuda_stand_in):
+    gva = make_case(T=20, H=1, HV=2, K=16, V=16, seed=4)
+    with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
+        gradients(gva, "cuda")
+    with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
+        gradients(gva, "cuda", recurrent=True)
+    soft = make_case(T=20, H=1, K=16, V=16, gate="softplus", seed=5)
+    with pytest.raises(kda.BackendUnavailableError, match="softplus"):
+        gradients(soft, "cuda")
+    assert cuda_stand_in == []
+
+
+def test_short_decode_shaped_grad_call_with_gva_never_reaches_k1_k2(cuda_stand_in):
+    """A decode shape (1 token a sequence) with grad and HV != H: prefers_decode is False with
+    grad, so the GVA refusal must still hold."""
+    gva = make_case(seq_lens=[1, 1, 1], H=1, HV=2, K=16, V=16, seed=6)
+    with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
+        gradients(gva, "cuda", recurrent=True)
+
+
+def compiled_grads(case, leaves_q=None, fullgraph=True):
+    names = ("q", "k", "v", "g", "beta")
+    leaves = [getattr(case, n).detach().clone().requires_grad_() for n in names]
+    if leaves_q is not None:
+        leaves[0] = leaves_q
+    kw = case.kwargs()
+    if case.cu_seqlens is not None:
+        kw["cu_seqlens_cpu"] = case.cu_seqlens.cpu()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *t: kda.chunk_kda(*t, backend="cuda", **kw), fullgraph=fullgraph)
+    o, ht = fn(*leaves)
+    (o.float().square().sum() + ht.square().sum()).backward()
+    return [x.grad for x in leaves]
+
+
+def test_compile_fullgraph_with_grad_on_cuda(cuda_stand_in):
+    case = make_case(B=2, T=40, H=2, K=16, V=16, seed=7)  # batched: CPU cu_seqlens do not trace
+    with kda.record_dispatch() as events:
+        got = compiled_grads(case)
+    assert cuda_stand_in and cuda_stand_in[0] is not None, cuda_stand_in
+    assert "chunk_kda backward -> triton" in events, events
+    names = ("q", "k", "v", "g", "beta")
+    leaves = [getattr(case, n).detach().clone().requires_grad_() for n in names]
+    o, ht = kda.chunk_kda(*leaves, backend="triton", **case.kwargs())  # eager
+    (o.float().square().sum() + ht.square().sum()).backward()
+    for a, b, n in zip(got, [x.grad for x in leaves], names):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
+
+
+def test_opcheck_chunk_fwd_use_cuda_with_checkpoints(cuda_stand_in):
+    """The fake's shapes against the CUDA branch's (checkpoints when use_cuda and save)."""
+    from kda.api import checked_problem
+    from kda.autograd import _problem_args, chunk_fwd
+
+    case = make_case(seq_lens=[40, 0, 17], H=2, K=16, V=16, seed=8)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    torch.library.opcheck(chunk_fwd, (*_problem_args(p), True, True),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def test_misaligned_under_compile_falls_back_with_a_note(cuda_stand_in):
+    case = make_case(T=20, H=1, K=16, V=16, seed=9)
+    big = torch.randn(case.q.numel() + 1)
+    q = big[1:].view_as(case.q).detach()
+    q.copy_(case.q)
+    q.requires_grad_()
+    assert q.data_ptr() % 16
+    with kda.record_dispatch() as events:
+        compiled_grads(case, leaves_q=q)
+    assert any(e.startswith("cuda refused: `q` is not 16-byte aligned") for e in events), events
+    assert cuda_stand_in == [], cuda_stand_in
+
+
+# ---- on the GPU: K2's checkpoints and the training forward on the real kernels
+
+
+def _checkpoints_both_ways(p):
+    from kda.cuda.forward import chunk_forward as cuda_chunk_forward
+    from kda.tables import chunk_tables
+    from kda.triton.training import checkpoint_shape, train_forward
+
+    rows = chunk_tables(p).checkpoint_offsets[-1].item()
+    ours = torch.full(checkpoint_shape(p), float("nan"), device="cuda")
+    cuda_chunk_forward(p, ours)
+    _, _, theirs = train_forward(p)
+    return rows, ours, theirs
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("warps", ["1", "2", "4"])
+@pytest.mark.parametrize("shape", ["varlen", "batched"])
+@pytest.mark.parametrize("h0", ["fp32", "bf16", None])
+def test_gpu_cuda_checkpoints_every_width_layout_and_state(monkeypatch, warps, shape, h0):
+    """Every CTA width (v_warp / kSlices differ), batched tables (the cached builder) as well as
+    varlen, no / bf16 initial state; compared row by row so one bad row is not averaged away."""
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
+    kw = dict(seq_lens=[130, 1, 0, 64, 200]) if shape == "varlen" else dict(B=3, T=200)
+    case = make_case(**kw, H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda", with_state=h0 is not None,
+                     seed=17)  # fmt: skip
+    if h0 == "bf16":
+        case.initial_state = case.initial_state.to(torch.bfloat16)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    rows, ours, theirs = _checkpoints_both_ways(p)
+    assert ours[:rows].isfinite().all() and ours[rows:].isnan().all()
+    for r in range(rows):
+        for h in range(p.H):
+            a, b = ours[r, h], theirs[r, h]
+            assert (a == b).all() if b.abs().max() == 0 else rel(a, b) < 1e-2, (r, h, rel(a, b))
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_checkpoints_past_2_31_elements():
+    """Sequences whose checkpoint rows start past 2^31 float elements (rows * H * 128 * 128):
+    four of 64k tokens (exactly 1024 rows each, a multiple of 4 chunks) put the next at
+    4096 * 32 * 16384 = 2^31. About 30 GB on the device."""
+    case = make_case(seq_lens=[65536] * 4 + [1, 130], H=32, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+                     seed=18)  # fmt: skip
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    rows, ours, theirs = _checkpoints_both_ways(p)
+    assert rows == 4 * 1024 + 1 + 3
+    assert ours[:rows].isfinite().all() and ours[rows:].isnan().all()
+    for r in (0, 1023, 1024, 4095, 4096, 4097, 4098, 4099):
+        assert rel(ours[r], theirs[r]) < 1e-2, r
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_fused_recurrent_and_bf16_states_train_forward_on_cuda():
+    case = make_case(seq_lens=[300, 17, 129], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=19)
+    case.initial_state = case.initial_state.to(torch.bfloat16)
+    for recurrent in (False, True):
+        want = gradients(case, "triton", recurrent=recurrent, final_state_dtype=torch.bfloat16)
+        with kda.record_dispatch() as events:
+            got = gradients(case, "cuda", recurrent=recurrent, final_state_dtype=torch.bfloat16)
+        assert "cuda:recurrence" in events and "chunk_kda backward -> triton" in events, events
+        for name in want:
+            assert rel(got[name], want[name]) < 2e-2, (recurrent, name, rel(got[name], want[name]))
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_compile_fullgraph_with_grad_runs_the_cuda_forward():
+    import torch._dynamo
+
+    case = make_case(B=2, T=300, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=20)
+    names = ("q", "k", "v", "g", "beta")
+
+    def grads(fn):
+        leaves = [getattr(case, n).detach().clone().requires_grad_() for n in names]
+        o, ht = fn(*leaves)
+        (o.float().square().sum() + ht.square().sum()).backward()
+        return [x.grad for x in leaves]
+
+    want = grads(lambda *t: kda.chunk_kda(*t, backend="triton", **case.kwargs()))
+    torch._dynamo.reset()
+    with kda.record_dispatch() as events:
+        got = grads(torch.compile(lambda *t: kda.chunk_kda(*t, **case.kwargs()), fullgraph=True))
+    assert "cuda:recurrence" in events and "chunk_kda backward -> triton" in events, events
+    for a, b, n in zip(got, want, names):
+        assert rel(a, b) < 2e-2, n
