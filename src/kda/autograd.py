@@ -73,7 +73,7 @@ def chunk_fwd(
                  output_final_state, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate,
                  state_v_first, final_state_dtype)  # fmt: skip
     with dispatch.on_device_of(q):  # Triton launches on the current device, not the tensors'
-        why = _cuda_misaligned(p) if use_cuda else "not asked"
+        why = _cuda_misaligned(p) if use_cuda else None
         if use_cuda and why is None:
             from kda.cuda.forward import chunk_forward as cuda_chunk_forward
 
