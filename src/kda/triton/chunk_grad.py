@@ -292,7 +292,9 @@ def _pair_products(b_k, G2, R, rows):
 # layout conversions, masks, a constant dot operand), not the slices; its figure at a cap (spill
 # bytes at maxnreg 168 and 128) is what the changes move (sm_90, Triton 3.6, 2026-12-02).
 @triton.autotune(
-    configs=autotune_configs([{}, {"maxnreg": 168}, {"maxnreg": 128}], warps=(4, 8), stages=(1,)),
+    # 2 warps (255 registers, 6 B of spills, four programs an SM) is the tuner's choice on 1x8192
+    # H32: 1.615 ms (H200, 2026-12-02, run 33) against 1.693 for 4 warps at maxnreg 168 (run 29)
+    configs=autotune_configs([{}, {"maxnreg": 168}, {"maxnreg": 128}], warps=(4, 8, 2), stages=(1,)),
     key=["BK", "SLICE", "GATE", "SAFE", "PAIRWISE"],
 )
 @triton.jit
