@@ -1,7 +1,8 @@
-"""Calls with grad on the CUDA backend, on the CPU: its launch is stood in for by Triton's
-forward (which writes the same checkpoints), the rest of the path is real (the routing, the
-feature refusals, the custom op and its fake, torch.compile, the misaligned fallback). The
-kernels themselves: tests/test_backward.py and tests/test_cuda_training.py's GPU tests."""
+"""Calls with grad on the CUDA backend with its launch stood in for by Triton's forward (which
+writes the same checkpoints), on the CPU under the interpreter and on a GPU with CUDA tensors;
+the rest of the path is real (the routing, the feature refusals, the custom op and its fake,
+torch.compile, the misaligned fallback). The kernels themselves: tests/test_backward.py and the
+GPU tests at the end of this file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 import kda
 import kda.cuda
-from helpers import cuda_ready, gradients, make_case, rel
+from helpers import DEVICE, cuda_ready, gradients, make_case, rel
 from kda.api import checked_problem
 from kda.cuda import BACKEND
 
@@ -51,7 +52,7 @@ def cuda_stand_in():
 def test_grad_call_on_cuda_saves_checkpoints_and_matches_triton(cuda_stand_in, recurrent):
     from kda.tables import checkpoint_rows
 
-    case = make_case(seq_lens=[40, 1, 0, 17], H=2, K=16, V=16, seed=3)
+    case = make_case(seq_lens=[40, 1, 0, 17], H=2, K=16, V=16, seed=3, device=DEVICE)
     want = gradients(case, "triton", recurrent=recurrent)
     with kda.record_dispatch() as events:
         got = gradients(case, "cuda", recurrent=recurrent)
@@ -65,12 +66,12 @@ def test_grad_call_on_cuda_saves_checkpoints_and_matches_triton(cuda_stand_in, r
 
 
 def test_grad_calls_cuda_cannot_run_are_still_refused(cuda_stand_in):
-    gva = make_case(T=20, H=1, HV=2, K=16, V=16, seed=4)
+    gva = make_case(T=20, H=1, HV=2, K=16, V=16, seed=4, device=DEVICE)
     with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
         gradients(gva, "cuda")
     with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
         gradients(gva, "cuda", recurrent=True)
-    soft = make_case(T=20, H=1, K=16, V=16, gate="softplus", seed=5)
+    soft = make_case(T=20, H=1, K=16, V=16, gate="softplus", seed=5, device=DEVICE)
     with pytest.raises(kda.BackendUnavailableError, match="softplus"):
         gradients(soft, "cuda")
     assert cuda_stand_in == []
@@ -79,7 +80,7 @@ def test_grad_calls_cuda_cannot_run_are_still_refused(cuda_stand_in):
 def test_short_decode_shaped_grad_call_with_gva_never_reaches_k1_k2(cuda_stand_in):
     """A decode shape (1 token a sequence) with grad and HV != H: prefers_decode is False with
     grad, so the GVA refusal must still hold."""
-    gva = make_case(seq_lens=[1, 1, 1], H=1, HV=2, K=16, V=16, seed=6)
+    gva = make_case(seq_lens=[1, 1, 1], H=1, HV=2, K=16, V=16, seed=6, device=DEVICE)
     with pytest.raises(kda.BackendUnavailableError, match="grouped value heads"):
         gradients(gva, "cuda", recurrent=True)
 
@@ -100,7 +101,7 @@ def compiled_grads(case, leaves_q=None, fullgraph=True):
 
 
 def test_compile_fullgraph_with_grad_on_cuda(cuda_stand_in):
-    case = make_case(B=2, T=40, H=2, K=16, V=16, seed=7)  # batched: CPU cu_seqlens do not trace
+    case = make_case(B=2, T=40, H=2, K=16, V=16, seed=7, device=DEVICE)  # batched: CPU cu_seqlens do not trace
     with kda.record_dispatch() as events:
         got = compiled_grads(case)
     assert cuda_stand_in and cuda_stand_in[0] is not None, cuda_stand_in
@@ -118,15 +119,15 @@ def test_opcheck_chunk_fwd_use_cuda_with_checkpoints(cuda_stand_in):
     from kda.api import checked_problem
     from kda.autograd import _problem_args, chunk_fwd
 
-    case = make_case(seq_lens=[40, 0, 17], H=2, K=16, V=16, seed=8)
+    case = make_case(seq_lens=[40, 0, 17], H=2, K=16, V=16, seed=8, device=DEVICE)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     torch.library.opcheck(chunk_fwd, (*_problem_args(p), True, True),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
 def test_misaligned_under_compile_falls_back_with_a_note(cuda_stand_in):
-    case = make_case(T=20, H=1, K=16, V=16, seed=9)
-    big = torch.randn(case.q.numel() + 1)
+    case = make_case(T=20, H=1, K=16, V=16, seed=9, device=DEVICE)
+    big = torch.randn(case.q.numel() + 1, device=DEVICE)
     q = big[1:].view_as(case.q).detach()
     q.copy_(case.q)
     q.requires_grad_()
