@@ -9,6 +9,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
+# Kernels built on the CPU machine from this tree (its nvcc 13.0), carried in .kernels: the steps
+# that do not install the package (no `cuda` or `wheel` step) load them from there.
+[[ -d .kernels ]] && export KDA_CUDA_KERNELS_DIR=$PWD/.kernels
 # Autotune results on disk, kept between calls (fla retunes for minutes per new head count):
 # the previous call's $OUT/triton-autotune.tgz, carried in .whl, is unpacked first.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
@@ -34,6 +37,7 @@ if [[ $step == all || $step == *cuda* ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
     .whl/scikit_build_core*.whl .whl/pathspec*.whl .whl/packaging*.whl .whl/nvidia_cutlass*.whl || exit 1
   rm -rf /tmp/kda-install build
+  unset KDA_CUDA_KERNELS_DIR  # the kernels this step builds, not carried ones
   timeout 300 python3 -m pip install --no-build-isolation --no-deps --no-index --target /tmp/kda-install . \
     > "$OUT/pip-install.log" 2>&1; tail -3 "$OUT/pip-install.log"
   ls /tmp/kda-install/kda/cuda/*.fatbin
@@ -48,6 +52,7 @@ if [[ $step == *wheel* ]]; then
   # The prebuilt wheel (built on a CPU machine by `pip wheel .`, carried in .whl) installed with no
   # nvcc on the PATH: the later steps (tests, compare, decode) import kda and its kernels from it.
   rm -rf /tmp/kda-install
+  unset KDA_CUDA_KERNELS_DIR  # the wheel's kernels, not carried ones
   PATH=$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:) python3 -m pip install -q --no-index --no-deps \
     --target /tmp/kda-install .whl/kda_kernels-*.whl || exit 1
   ls /tmp/kda-install/kda/cuda/*.fatbin
@@ -105,7 +110,7 @@ if [[ $step == *profile* ]]; then
 fi
 if [[ $step == *trainprof* ]]; then  # the training kernels alone: split, configs, registers; ncu of the two local-gradient kernels
   timeout 200 python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} > "$OUT/train-profile.log" 2>&1; cat "$OUT/train-profile.log" | tail -40
-  timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
+  [[ ${TRAINPROF_NCU:-1} == 1 ]] && timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
     --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats \
     python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ncu > "$OUT/ncu-train.log" 2>&1
