@@ -110,11 +110,13 @@ if [[ $step == *profile* ]]; then
 fi
 if [[ $step == *trainprof* ]]; then  # the training kernels alone: split, configs, registers; ncu of the two local-gradient kernels
   timeout 200 python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} > "$OUT/train-profile.log" 2>&1; cat "$OUT/train-profile.log" | tail -40
-  [[ ${TRAINPROF_NCU:-1} == 1 ]] && timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats \
-    python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ncu > "$OUT/ncu-train.log" 2>&1
-  grep -E "_kernel|Duration|Throughput|Occupancy|Registers|Warp Cycles|Eligible|Issued|Local|Stall|spill" "$OUT/ncu-train.log" | head -80
+  if [[ ${TRAINPROF_NCU:-1} == 1 ]]; then
+    timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats \
+      python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ncu > "$OUT/ncu-train.log" 2>&1
+    grep -E "_kernel|Duration|Throughput|Occupancy|Registers|Warp Cycles|Eligible|Issued|Local|Stall|spill" "$OUT/ncu-train.log" | head -80
+  fi
 fi
 if [[ " $step " == *" train "* ]]; then  # fwd+bwd against fla (kda bench --train)
   timeout ${TRAIN_TIMEOUT:-400} python3 -m kda bench --train --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench-train.log" 2>&1; tail -40 "$OUT/bench-train.log"
