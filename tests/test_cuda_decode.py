@@ -144,9 +144,8 @@ def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens():
 
 def test_gpu_auto_runs_large_decode_grids_on_cuda_and_the_rest_on_triton():
     """auto takes the CUDA kernel where it measured faster (kda.cuda.decode.AUTO_MIN_PAIRS):
-    one-token bf16 states over 1024 sequence-heads; small grids, float32 plain calls below
-    8192 sequence-heads and bf16 states over several tokens go to Triton's decode kernel, and
-    the refusal says why."""
+    one-token bf16 states over 1024 sequence-heads; small grids of either state dtype and bf16
+    states over several tokens go to Triton's decode kernel, and the refusal says why."""
     from kda.cuda.decode import AUTO_MIN_PAIRS
 
     pairs = AUTO_MIN_PAIRS[("bfloat16", False)]
@@ -160,7 +159,7 @@ def test_gpu_auto_runs_large_decode_grids_on_cuda_and_the_rest_on_triton():
     assert_close_fp64(o, o_ref, O_BAR, "o")
     assert_close_fp64(ht, ht_ref, STATE_BAR[torch.bfloat16], "final state")
     for over, says in (
-        (dict(state=torch.float32), f"{pairs} (sequence, head) pairs of float32 states"),
+        (dict(B=pairs // 8, state=torch.float32), f"{pairs // 2} (sequence, head) pairs of float32 states"),
         (dict(B=8), "32 (sequence, head) pairs of bfloat16 states"),
         (dict(T=3), "bfloat16 states over more than one token"),
     ):

@@ -260,10 +260,20 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert (prm.tokens, prm.num_seqs, prm.pool_slots, prm.heads, prm.value_heads) == (T, 3, 5 if mode else 3, 2, 4)
     assert (prm.index_cols, prm.index_mode) == (3 if mode == 2 else 1, mode)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, -5.0, 1.0)
-    name = loader.DECODE_KERNELS[("float32", mode == 1, cuda_decode.DEFAULT_COLUMNS["float32"])]
-    columns = cuda_decode.DEFAULT_COLUMNS["float32"]
+    columns = 32  # a float32 grid of 12 (sequence, head) pairs: below cuda_decode.SMALL_GRID_PAIRS
+    name = loader.DECODE_KERNELS[("float32", mode == 1, columns)]
     assert args[0] == int(kernels.kernels[name])
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
+
+
+def test_decode_columns_follow_the_grid():
+    """float32 grids below SMALL_GRID_PAIRS take 32 columns a CTA, larger ones and every bf16 grid 64
+    (kda.cuda.decode: measured per width, run 36)."""
+    from kda.cuda.decode import SMALL_GRID_PAIRS, default_columns
+
+    assert default_columns("float32", 1) == default_columns("float32", SMALL_GRID_PAIRS - 1) == 32
+    assert default_columns("float32", SMALL_GRID_PAIRS) == 64
+    assert default_columns("bfloat16", 1) == default_columns("bfloat16", SMALL_GRID_PAIRS) == 64
 
 
 def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
@@ -272,10 +282,10 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     from kda.cuda import BACKEND
     from kda.cuda.decode import AUTO_MIN_PAIRS
 
-    def problem(B, T=1, state=torch.bfloat16):  # no initial state: the final state's dtype decides
+    def problem(B, T=1, state=torch.bfloat16, v_first=False):  # no initial state: the final state's dtype decides
         case = make_case(B=B, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7,
                          with_state=False)  # fmt: skip
-        kw = case.kwargs(final_state_dtype=state)
+        kw = case.kwargs(final_state_dtype=state, state_v_first=v_first)
         kw.pop("safe_gate")
         return checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
 
@@ -284,7 +294,10 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     assert BACKEND.auto_rejects(problem(bf16)) is None
     assert BACKEND.auto_rejects(problem(fp32, state=torch.float32)) is None
     assert "4 (sequence, head) pairs of bfloat16 states" in BACKEND.auto_rejects(problem(1))
-    assert f"{bf16 * 4} (sequence, head) pairs of float32 states" in BACKEND.auto_rejects(
-        problem(bf16, state=torch.float32)
+    assert f"{fp32 * 2} (sequence, head) pairs of float32 states" in BACKEND.auto_rejects(
+        problem(fp32 // 2, state=torch.float32)
     )
     assert "bfloat16 states over more than one token" in BACKEND.auto_rejects(problem(2, T=3))
+    # float32 [V, K] states keep their own bound (kda.cuda.decode.AUTO_MIN_PAIRS_V_FIRST_FLOAT32)
+    v_first = problem(fp32, state=torch.float32, v_first=True)
+    assert f"{fp32 * 4} (sequence, head) pairs of float32 [V, K] states" in BACKEND.auto_rejects(v_first)

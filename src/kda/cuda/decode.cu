@@ -105,9 +105,12 @@ struct Ownership {
 // it reserved per CTA), at most 10 for [K, V] states and 6 for [V, K] ones (whose sums over K
 // take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
 // The entry points declare it, so that registers never hold fewer CTAs than shared memory.
+// With the per-token buffers single (2026-12-02): float32 64 columns 6 CTAs (78 registers, [V, K]
+// 80 with 16 B of spills), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the
+// copy bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md).
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
-  return kHeadDim * BV * sizeof(E) + 16 * 2 * kHeadDim + 4 * (2 * kDecodeWarps * 3 + 2 * kDecodeWarps * 2 * BV);
+  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV);
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
@@ -125,11 +128,13 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   constexpr int kSlices = kHeadDim / BV;
   constexpr int64_t kHeadElements = int64_t(kHeadDim) * kHeadDim;
   __shared__ alignas(16) E tile[kHeadDim * BV];  // the slice, as stored in memory
-  // The token's per-K vectors (d, k, d k, d q) and sums, double-buffered by token parity: the
-  // next token's prologue may then write them while slower threads still read this token's.
-  __shared__ float4 s_vec[2][kHeadDim];
-  __shared__ float s_sums[2][kDecodeWarps][3];
-  __shared__ alignas(16) float s_partial[2][kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
+  // The token's per-K vectors (d, k, d k, d q) and sums, one buffer: a CTA barrier ends each
+  // token that another follows, before the next prologue overwrites them. (Buffers by token
+  // parity spared that barrier, but their 4 KB more of shared memory held five float32
+  // 64-column CTAs an SM instead of six.)
+  __shared__ float4 s_vec[kHeadDim];
+  __shared__ float s_sums[kDecodeWarps][3];
+  __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
   static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) == decode_shared_bytes<E, BV>(),
                 "decode_shared_bytes counts every array");
 
@@ -187,8 +192,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const float beta_scale = static_cast<float>(p.beta_scale);
   const bool store_ht = mode != 2 && (flags & kStoreHt);
   bool staged = false;
-  int par = 0;
-  for (int64_t t = bos; t < eos; ++t, par ^= 1) {
+  for (int64_t t = bos; t < eos; ++t) {
     // Prologue: thread tid holds K index tid of q, k and the decay.
     const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid;
     const int64_t row = t * HV + i_hv;
@@ -206,9 +210,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     for (int offset = 16; offset > 0; offset /= 2)
       for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
     if (lane == 0)
-      for (int j = 0; j < 3; ++j) s_sums[par][warp][j] = sums[j];
+      for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
     const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
-    s_vec[par][tid] = make_float4(d, kv, d * kv, d * qv);
+    s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
     if (!staged) {  // the thread's own runs: it reads no others
       cute::cp_async_wait<0>();
       staged = true;
@@ -217,9 +221,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
-      qq += s_sums[par][w][0];
-      kk += s_sums[par][w][1];
-      qk += s_sums[par][w][2];
+      qq += s_sums[w][0];
+      kk += s_sums[w][1];
+      qk += s_sums[w][2];
     }
     float rq = 1.f, rk = 1.f;
     if (flags & kL2norm) {
@@ -233,7 +237,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if constexpr (VFirst) {
       float2 dkq[kVec];  // (d k, d q) of the thread's K indices
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[par][own.tk * kVec + e])[1];
+      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         float x[kVec];
@@ -253,7 +257,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     } else {
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) {
-        const float4 vec = s_vec[par][own.tk + kThreadsK * r];
+        const float4 vec = s_vec[own.tk + kThreadsK * r];
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
@@ -270,8 +274,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         }
       if (lane < kThreadsC)  // then over the warps
         for (int j = 0; j < kColumns; ++j) {
-          s_partial[par][warp][0][own.tc * kVec + j] = dot_k[j];
-          s_partial[par][warp][1][own.tc * kVec + j] = dot_q[j];
+          s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
+          s_partial[warp][1][own.tc * kVec + j] = dot_q[j];
         }
       __syncthreads();
 #pragma unroll
@@ -279,8 +283,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         dot_k[j] = dot_q[j] = 0.f;
 #pragma unroll
         for (int w = 0; w < kDecodeWarps; ++w) {
-          dot_k[j] += s_partial[par][w][0][own.tc * kVec + j];
-          dot_q[j] += s_partial[par][w][1][own.tc * kVec + j];
+          dot_k[j] += s_partial[w][0][own.tc * kVec + j];
+          dot_q[j] += s_partial[w][1][own.tc * kVec + j];
         }
       }
     }
@@ -306,13 +310,14 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         // (d, k) of the element's K index
-        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[par][VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
+        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
       const uint4 updated = R::pack(x);
       if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
       if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
     }
+    if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
   }
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.

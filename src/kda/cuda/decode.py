@@ -25,18 +25,30 @@ FLAG_VARLEN = abi.FLAGS["varlen"]
 FLAG_INDICES_INT64 = abi.FLAGS["indices_int64"]
 FLAG_ACCEPTED_INT64 = abi.FLAGS["accepted_int64"]
 STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-# V columns of a CTA by state dtype, and where auto takes this kernel over Triton's decode
-# kernel: from the fewest (sequence, value head) pairs below, by (state dtype, pool). Measured on
-# an H200, 2026-12-02, run 27 (benchmarks/results/h200-2026-12-02-decode-run27.md, graph replay,
-# H=32, one token; ms, this kernel at 64 columns / Triton's): bf16 plain N=32 0.0302 / 0.0382,
-# N=256 0.179 / 0.257, N=1024 0.683 / 1.005 (pools 0.0309 / 0.0324, 0.185 / 0.202, 0.711 /
-# 0.859); float32 pools 0.0456 / 0.0464, 0.274 / 0.314, 1.050 / 1.234; float32 plain N=32
-# 0.0444 / 0.0434, N=256 0.269 / 0.280, N=1024 1.039 / 1.098. Below 1024 pairs (N=1) Triton's
-# one-program latency is lower (8.4 us against 9.1 to 9.7). 64 columns beat 32 everywhere from
-# N=32 on (bf16 N=256 0.179 / 0.217, float32 0.269 / 0.278).
+# V columns of a CTA, and where auto takes this kernel over Triton's decode kernel: from the
+# fewest (sequence, value head) pairs below, by (state dtype, pool). Measured on an H200,
+# 2026-12-02, run 36 (benchmarks/results/h200-2026-12-02-decode-run36.md, graph replay, H=32,
+# one token; ms, this kernel at 64 / 32 columns, then Triton's): float32 plain N=32 0.0429 /
+# 0.0422 / 0.0441, N=256 0.268 / 0.273 / 0.283; float32 pools N=32 0.0451 / 0.0440 / 0.0468,
+# N=256 0.271 / 0.280 / 0.317; bf16 plain N=32 0.0306 / 0.0352 / 0.0387, N=256 0.159 / 0.209 /
+# 0.263 (pools 0.0312 / 0.0341 / 0.0325, 0.164 / 0.205 / 0.197). Below 1024 pairs (N=1) Triton's
+# one-program latency is lower (8.2 us against 8.5 to 9.6). 64 columns win from N=256 on for
+# both dtypes and at N=32 for bf16; float32 grids of fewer than SMALL_GRID_PAIRS pairs take 32
+# (at N=32, 4096 CTAs of 32 columns fill the SMs' six-CTA waves better than 2048 of 64).
 DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 64}
+SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
-                  ("float32", False): 8192}  # fmt: skip
+                  ("float32", False): 1024}  # fmt: skip
+# float32 [V, K] states without a pool (state_v_first) keep the earlier bound: at N=32 this kernel
+# (32 columns) took 0.0543 ms in run 37 against Triton's 0.0406 in run 36 (the bench's layout
+# row, graph replay); N=256 and 1024 ran here in both runs (0.288 and 1.100 ms in run 36).
+AUTO_MIN_PAIRS_V_FIRST_FLOAT32 = 8192
+
+
+def default_columns(dtype: str, pairs: int) -> int:
+    """The V columns a CTA takes for a state dtype and a grid of ``pairs`` (sequence, value head)
+    pairs when the caller names none."""
+    return 32 if dtype == "float32" and pairs < SMALL_GRID_PAIRS else DEFAULT_COLUMNS[dtype]
 
 
 def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -74,8 +86,11 @@ def auto_refusal(p: Problem) -> str | None:
     it (measured slower there: AUTO_MIN_PAIRS), or None."""
     dtype = STATE_DTYPES[state_dtype(p)]
     pairs, fewest = p.N * p.HV, AUTO_MIN_PAIRS[(dtype, p.pool is not None)]
+    v_first = dtype == "float32" and p.pool is None and p.state_v_first
+    if v_first:
+        fewest = AUTO_MIN_PAIRS_V_FIRST_FLOAT32
     if pairs < fewest:
-        kind = f"{dtype} state pool" if p.pool is not None else f"{dtype} states"
+        kind = f"{dtype} state pool" if p.pool is not None else f"{dtype} {'[V, K] ' if v_first else ''}states"
         return f"{pairs} (sequence, head) pairs of {kind} (Triton's decode kernel is faster below {fewest})"
     return None
 
@@ -92,7 +107,7 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
     if p.N * p.HV == 0:
         return o, ht
     dtype = STATE_DTYPES[state_dtype(p)]
-    columns = columns or DEFAULT_COLUMNS[dtype]
+    columns = columns or default_columns(dtype, p.N * p.HV)
     if columns not in abi.DECODE_COLUMNS:
         raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
     idx = p.state_indices
