@@ -112,11 +112,19 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
   // empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in round
   // i / kStages; both sides step the stage and the round's parity instead of dividing.
+  // Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
+  // after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
+  // lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
+  // 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
+  // the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
+  // 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
+  // 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
+  constexpr bool kLaneRelease = WARPS < 4;
   __shared__ uint64_t full[kStages], empty[kStages];
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       cute::initialize_barrier(full[s], 1);
-      cute::initialize_barrier(empty[s], WARPS);
+      cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -230,8 +238,12 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
-    __syncwarp();
-    if (lane.l == 0) mbarrier_arrive(empty[stage]);  // this warp is done with the stage
+    if constexpr (kLaneRelease) {  // this lane (warp) is done with the stage
+      mbarrier_arrive(empty[stage]);
+    } else {
+      __syncwarp();
+      if (lane.l == 0) mbarrier_arrive(empty[stage]);
+    }
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
       for (int e = 0; e < 4; ++e)
