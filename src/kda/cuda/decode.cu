@@ -105,9 +105,9 @@ struct Ownership {
 // it reserved per CTA), at most 10 for [K, V] states and 6 for [V, K] ones (whose sums over K
 // take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
 // The entry points declare it, so that registers never hold fewer CTAs than shared memory.
-// With the per-token buffers single (2026-12-02): float32 64 columns 6 CTAs (78 registers, [V, K]
-// 80 with 16 B of spills), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the
-// copy bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md).
+// With the per-token buffers single (2026-12-02): float32 64 columns 6 CTAs (78 registers; [V, K]
+// 5, as before), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the copy
+// bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md).
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
   return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV);
@@ -115,7 +115,8 @@ constexpr int decode_shared_bytes() {
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
   const int ctas = (228 * 1024) / (decode_shared_bytes<E, BV>() + 1024);
-  const int most = VFirst ? 6 : 10;
+  // [V, K] float32 64 columns: 91 registers unbounded, so five (at six it spilled 16 B)
+  const int most = !VFirst ? 10 : (sizeof(E) == 4 && BV == 64) ? 5 : 6;
   return ctas < most ? ctas : most;
 }
 
