@@ -25,8 +25,10 @@ save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar 
 pack_logs() { (cd "$OUT" && shopt -s nullglob && f=(*.log *.csv) && ((${#f[@]})) && tar czf logs.tgz "${f[@]}" && rm -f "${f[@]}"); }
 trap 'save_autotune; pack_logs' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-python3 -m kda info
 step=${1:-all}
+# (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
+# would describe the tree without kernels, as the wheel runs' first table did)
+[[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
 # steps: all, or one of cuda / quick / bench / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
