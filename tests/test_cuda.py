@@ -49,7 +49,8 @@ def test_kernels_built_where_nvcc_exists():
 # Register ceilings the launch configuration rests on: K1's 128 threads at 5 CTAs an SM
 # (65536 / 640, in steps of 8); K2's caps (recurrence.cu): registers are allocated per SM
 # sub-partition, 168 fits three warps in one, 128 four.
-REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128}
+REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
+                    "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168}  # fmt: skip
 
 
 def abi_include(tmp_path: Path) -> Path:
@@ -86,6 +87,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
     assert set(report) == {"kda_prepare", *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
+                           *(name for name, _ in loader.CHAIN_KERNELS.values()),
                            *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills) in report.items() if spills} == {}
     for name, ceiling in REGISTER_CEILING.items():

@@ -301,3 +301,61 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     # float32 [V, K] states keep their own bound (kda.cuda.decode.AUTO_MIN_PAIRS_V_FIRST_FLOAT32)
     v_first = problem(fp32, state=torch.float32, v_first=True)
     assert f"{fp32 * 4} (sequence, head) pairs of float32 [V, K] states" in BACKEND.auto_rejects(v_first)
+
+
+@pytest.mark.parametrize("dht_dtype", [torch.float32, torch.bfloat16, None])
+def test_state_grad_chain_fills_the_params_block_as_the_chain_reads_it(load_kernels, monkeypatch, dht_dtype):
+    """kda.cuda.training.state_grad_chain: K1, then the chain at CHAIN_WARPS, one Params block
+    whose v is dO, h0 the final state's gradient, ht the initial state's and checkpoints the
+    per-chunk state gradients (recurrence.cu's state_grad_chain)."""
+    from kda.cuda import training
+
+    libcuda = FakeLibcuda()
+    kernels = load_kernels(libcuda.launch)
+    monkeypatch.setattr(loader, "kernels", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "_current_device", None)
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    built = []
+    monkeypatch.setattr(training, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(state_v_first=True))
+    do = torch.randn(p.v.shape).to(torch.bfloat16)
+    dht = None if dht_dtype is None else torch.randn(p.state_shape).to(dht_dtype)
+    dh0 = torch.empty(p.state_shape)
+    dstates = torch.empty(3, 2, 128, 128, dtype=torch.bfloat16)
+    workspace = training.state_grad_chain(p, do, dht, dh0, dstates)
+
+    (prepare_args, prm), (chain_args, prm_again) = libcuda.calls
+    assert bytes(prm) == bytes(prm_again)
+    (tables,) = built
+    pointers = dict(q=p.q, k=p.k, v=do, g=p.g, beta=p.beta, h0=dht, ht=dh0, checkpoints=dstates, workspace=workspace)
+    pointers |= dict(seq_offsets=tables.seq_offsets, checkpoint_offsets=tables.checkpoint_offsets)
+    assert {name: getattr(prm, name) for name in pointers} == {
+        name: 0 if x is None else x.data_ptr() for name, x in pointers.items()
+    }
+    assert prm.o == 0
+    flags = loader.FLAGS
+    state_bits = flags["store_ht"] | flags["state_v_first"]
+    state_bits |= 0 if dht is None else flags["has_h0"] | (flags["h0_bfloat16"] if dht_dtype == torch.bfloat16 else 0)
+    assert prm.flags == forward.input_flags(p) | state_bits
+    name, shared_bytes = loader.CHAIN_KERNELS[training.CHAIN_WARPS]
+    assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and prepare_args[1:3] == (tables.num_chunks, 2)
+    assert chain_args[0] == int(kernels.kernels[name])
+    assert chain_args[1:9] == (128 // (16 * training.CHAIN_WARPS) * 2 * 2, 1, 1, 32 * (training.CHAIN_WARPS + 1), 1, 1,
+                               shared_bytes, 0x5000)  # fmt: skip
+
+
+def test_state_grad_chain_refuses_wrong_buffers():
+    from kda.cuda import training
+
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    do = torch.randn(p.v.shape).to(torch.bfloat16)
+    dstates = torch.empty(3, 2, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do must be bfloat16"):
+        training.state_grad_chain(p, do.float(), None, None, dstates)
+    with pytest.raises(ValueError, match="dht must be float32 or bfloat16"):
+        training.state_grad_chain(p, do, torch.empty(p.state_shape, dtype=torch.float16), None, dstates)
+    with pytest.raises(ValueError, match="dh0 must be float32"):
+        training.state_grad_chain(p, do, None, torch.empty(p.state_shape, dtype=torch.bfloat16), dstates)

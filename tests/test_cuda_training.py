@@ -227,3 +227,43 @@ def test_gpu_compile_fullgraph_with_grad_runs_the_cuda_forward():
     assert "cuda:recurrence" in events and "chunk_kda backward -> triton" in events, events
     for a, b, n in zip(got, want, names):
         assert rel(a, b) < 2e-2, n
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("layout", [False, True])
+def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout):
+    """kda.cuda.training.state_grad_chain (K1's workspace, recurrence.cu's chain) beside Triton's
+    chain on the same bf16 inputs: every real chunk's dS written (NaN poison; spare table slots
+    untouched) and close to Triton's; the initial state's gradient (an empty and a one-token
+    sequence among others) against fp64 autograd of the token loop within 10% of Triton's error."""
+    from helpers import fp64_gradients
+    from kda.cuda.training import state_grad_chain as cuda_chain
+    from kda.tables import chunk_tables
+    from kda.triton.prepare import prepare_chunks
+    from kda.triton.state_grad import state_grad_chain as triton_chain
+
+    case = make_case(seq_lens=[300, 1, 0, 129], H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+                     state_v_first=layout, seed=21)  # fmt: skip
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    gen = torch.Generator().manual_seed(0)  # helpers.gradients' draws: fp64_gradients uses the same dO, dht
+    do = torch.randn(p.v.shape, generator=gen, dtype=torch.float64).to("cuda", torch.bfloat16)
+    dht = torch.randn(p.state_shape, generator=gen, dtype=torch.float64).to("cuda", torch.float32)
+    tables = chunk_tables(p)
+    real = int(tables.chunk_offsets[-1])
+    shape = (tables.num_chunks, p.H, p.V, p.K)
+    ours = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    dh0 = torch.full(p.state_shape, float("nan"), device="cuda")
+    with kda.record_dispatch() as events:
+        cuda_chain(p, do, dht, dh0, ours)
+    assert events[-2:] == ["cuda:prepare", "cuda:state_grad_chain"], events
+    theirs = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    dh0_t = torch.empty_like(dh0)
+    triton_chain(p, tables, prepare_chunks(p, tables, torch.bfloat16, "tf32"), do, dht, dh0_t, theirs, True, "tf32")
+    assert ours[:real].isfinite().all(), "a chunk's state gradient was never written"
+    assert ours[real:].isnan().all(), "a write landed past the real chunks"
+    for c in range(real):  # chunk by chunk, so that one bad chunk is not averaged away
+        assert rel(ours[c].float(), theirs[c].float()) < 2e-2, (c, rel(ours[c].float(), theirs[c].float()))
+    ref = fp64_gradients(case)["initial_state"].to("cuda")
+    ours_err, triton_err = rel(dh0, ref), rel(dh0_t, ref)
+    assert ours_err <= 1.1 * triton_err + 1e-4, (ours_err, triton_err)

@@ -157,6 +157,7 @@ assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
 PREPARE_THREADS = 128  # threads of a prepare CTA (one per K column)
 STAGES = 3  # recurrence pipeline stages; four measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568)
 RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): one entry point each
+CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (recurrence.cu)
 
 
 def recurrence_shared_bytes(warps: int) -> int:

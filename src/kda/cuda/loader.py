@@ -93,6 +93,10 @@ def driver_launch():
 RECURRENCE_KERNELS = {
     warps: (f"kda_recurrence_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in RECURRENCE_WIDTHS
 }
+# The training backward's reverse chain: K2's pipeline and stages, so its shared memory.
+CHAIN_KERNELS = {
+    warps: (f"kda_state_grad_chain_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in abi.CHAIN_WIDTHS
+}
 
 
 def swizzle_tiles(tiles):
@@ -165,7 +169,7 @@ class Kernels:
         self.kernels = {}
         entry_points = {
             "prepare.fatbin": ("kda_prepare",),
-            "recurrence.fatbin": tuple(name for name, _ in RECURRENCE_KERNELS.values()),
+            "recurrence.fatbin": tuple(name for name, _ in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values())),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
         for artefact, names in entry_points.items():
@@ -230,7 +234,7 @@ class Kernels:
         ]
         settings += [
             (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes, self.kernels[name])
-            for name, shared_bytes in RECURRENCE_KERNELS.values()
+            for name, shared_bytes in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values())
         ]
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")

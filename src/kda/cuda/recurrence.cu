@@ -265,6 +265,156 @@ __device__ __forceinline__ void recurrence(const Params& p) {
           static_cast<float*>(p.ht)[state_base + state_offset(lane, j, e)] = St[j][e];
 }
 
+// The training backward's reverse chain of the state gradient (kda/triton/state_grad.py's
+// state_grad_chain_kernel, reference.recurrence_step_backward) on K1's workspace: K2's
+// pipeline, width and registers with the chunks taken from the last to the first. Per chunk,
+// transposed as in K2 (this warp's 16 V rows of dS^T, float32 accumulators):
+//
+//     dU^T      = dO^T M + dS^T k_restored^T
+//     dS^T_prev = dS^T Diag(gamma) + dO^T q_decayed - dU^T w
+//
+// dS^T (the gradient of the state leaving the chunk) is stored in bf16 before each step, and
+// after the first chunk the initial state's gradient in float32. Params fields as read here:
+// v = dO [T, H, 128] bf16 (its rows stream in as K2's v rows do); h0 = the final state's
+// gradient (has_h0, h0_bfloat16, state_v_first); ht = the initial state's gradient, float32
+// (store_ht); checkpoints = dS of every chunk, bf16 [num_chunks, H, 128 (V), 128 (K)], the
+// layout the Triton chain writes. M enters in bf16 (the Triton chain's is float32 at tf32).
+template <int WARPS>
+__device__ __forceinline__ void state_grad_chain(const Params& p) {
+  using WS = WorkspaceLayout;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Lane lane;
+  const int warp = threadIdx.x / 32;
+  constexpr int kSlices = kHeadDim / Stage<WARPS>::kBV;
+  const int64_t nh = p.seq_order[blockIdx.x / kSlices];
+  const int64_t n = nh / p.heads, h = nh % p.heads;
+  const int v0 = (blockIdx.x % kSlices) * Stage<WARPS>::kBV;
+  const int v_warp = v0 + warp * 16;
+  const int64_t bos = p.seq_offsets[n], eos = p.seq_offsets[n + 1];
+  const int64_t c_first = p.chunk_offsets[n], num_chunks = p.chunk_offsets[n + 1] - c_first;
+
+  float dSt[16][4];  // dS^T rows v_warp..+15; tile j holds key channels 8j..8j+7
+  const StateOffsets state_offset(p, v_warp, lane);
+  const int64_t state_base = nh * kHeadDim * kHeadDim;
+  if (warp < WARPS)
+    for (int j = 0; j < 16; ++j)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t at = state_base + state_offset(lane, j, e);
+        dSt[j][e] = !(p.flags & kHasH0)       ? 0.f
+                    : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
+                                              : static_cast<const float*>(p.h0)[at];
+      }
+
+  constexpr bool kLaneRelease = WARPS < 4;  // as in recurrence()
+  __shared__ uint64_t full[kStages], empty[kStages];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      cute::initialize_barrier(full[s], 1);
+      cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  int stage = 0, round_parity = 0;
+  auto next_stage = [&] {
+    if (++stage == kStages) stage = 0, round_parity ^= 1;
+  };
+  if (warp == WARPS) {  // the producer warp, the sequence's chunks from its last
+    for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
+      const int64_t c = num_chunks - 1 - i;
+      const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - c * kChunk));
+      load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
+                        p.workspace + ((c_first + c) * p.heads + h) * kWorkspaceBytes, p, bos + c * kChunk, rows, h, v0);
+    }
+    return;
+  }
+
+  __nv_bfloat16* const dstates = reinterpret_cast<__nv_bfloat16*>(p.checkpoints);
+  for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+    const int64_t c = num_chunks - 1 - i;
+    {  // dS leaving chunk c, [c, h, v, k]: elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8
+      __nv_bfloat16* at = dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim) +
+                          (v_warp + lane.g) * kHeadDim + 2 * lane.t;
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<uint32_t*>(at + 8 * j) = pack_bf16(dSt[j][0], dSt[j][1]);
+        *reinterpret_cast<uint32_t*>(at + 8 * kHeadDim + 8 * j) = pack_bf16(dSt[j][2], dSt[j][3]);
+      }
+    }
+    mbarrier_wait(full[stage], round_parity);
+
+    const unsigned char* st = smem + stage * Stage<WARPS>::kBytes;
+    const unsigned char* tile_qd = st + WS::q_decayed;
+    const unsigned char* tile_w = st + WS::w;
+    const unsigned char* tile_kr = st + WS::k_restored;
+    const float2* gamma = reinterpret_cast<const float2*>(st + WS::gamma);
+    const unsigned char* do_tile = st + kWorkspaceBytes;
+    const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
+
+    // dO^T from the row-major dO tile by ldmatrix.trans (K2's V^T); tail tokens masked out.
+    uint32_t aO[4];
+    ldmatrix_x4_trans(aO, do_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
+    const int64_t rows = eos - bos - c * kChunk;
+    if (rows < kChunk) {
+      for (int r = 0; r < 4; ++r) {
+        const int token = 2 * lane.t + 8 * (r / 2);
+        aO[r] &= (token < rows ? 0x0000ffffu : 0u) | (token + 1 < rows ? 0xffff0000u : 0u);
+      }
+    }
+    // dO^T M: M row-major [16 j, 16 i] is the right operand as stored (ldmatrix.trans, as K2's
+    // k_restored), off the serial chain.
+    float D[2][4] = {};
+    {
+      uint32_t bM[4];
+      ldmatrix_x4_trans(bM, st + WS::M + (r_lo + 8 * sel_a) * (kChunk * 2) + 8 * sel_b * 2);
+      mma_bf16(D[0], aO, bM[0], bM[1]);
+      mma_bf16(D[1], aO, bM[2], bM[3]);
+    }
+    // dS^T k_restored^T (on the serial chain), as K2's S^T w^T: two accumulator chains.
+    float P[2][2][4] = {};
+    for (int kk = 0; kk < 8; ++kk) {
+      uint32_t aS[4], bk[4];
+      accumulators_to_operand(aS, dSt[2 * kk], dSt[2 * kk + 1]);
+      ldmatrix_x4(bk, tile_kr + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
+      mma_bf16(P[kk % 2][0], aS, bk[0], bk[1]);
+      mma_bf16(P[kk % 2][1], aS, bk[2], bk[3]);
+    }
+    float minus_dU[2][4];  // -dU^T, the left operand of the w product
+    for (int nt = 0; nt < 2; ++nt)
+      for (int e = 0; e < 4; ++e) minus_dU[nt][e] = -(D[nt][e] + (P[0][nt][e] + P[1][nt][e]));
+    uint32_t aU[4];
+    accumulators_to_operand(aU, minus_dU[0], minus_dU[1]);
+
+    // dS^T Diag(gamma) + dO^T q_decayed - dU^T w (q_decayed and w row-major: ldmatrix.trans).
+    for (int j = 0; j < 16; ++j) {
+      const float2 gm = gamma[4 * j + lane.t];
+      dSt[j][0] *= gm.x;
+      dSt[j][1] *= gm.y;
+      dSt[j][2] *= gm.x;
+      dSt[j][3] *= gm.y;
+    }
+    for (int jp = 0; jp < 8; ++jp) {
+      uint32_t bq[4], bw[4];
+      ldmatrix_x4_trans(bq, tile_qd + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
+      mma_bf16(dSt[2 * jp], aO, bq[0], bq[1]);
+      mma_bf16(dSt[2 * jp + 1], aO, bq[2], bq[3]);
+      ldmatrix_x4_trans(bw, tile_w + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
+      mma_bf16(dSt[2 * jp], aU, bw[0], bw[1]);
+      mma_bf16(dSt[2 * jp + 1], aU, bw[2], bw[3]);
+    }
+    if constexpr (kLaneRelease) {
+      mbarrier_arrive(empty[stage]);
+    } else {
+      __syncwarp();
+      if (lane.l == 0) mbarrier_arrive(empty[stage]);
+    }
+  }
+
+  if (p.flags & kStoreHt)
+    for (int j = 0; j < 16; ++j)
+      for (int e = 0; e < 4; ++e) static_cast<float*>(p.ht)[state_base + state_offset(lane, j, e)] = dSt[j][e];
+}
+
 }  // namespace
 
 // One entry point per width, each with one more warp, the producer. Registers are
@@ -275,5 +425,9 @@ __device__ __forceinline__ void recurrence(const Params& p) {
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
 extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
+// The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
+// warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
+extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w1(const Params p) { state_grad_chain<1>(p); }
+extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w2(const Params p) { state_grad_chain<2>(p); }
 
 }  // namespace kda

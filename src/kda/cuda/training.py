@@ -1,0 +1,88 @@
+"""The training backward's reverse chain on the CUDA path (recurrence.cu's
+``kda_state_grad_chain_w*``): K1 writes the call's workspace, then the chain runs over it from
+each sequence's last chunk to its first, writing what ``kda/triton/state_grad.py``'s chain
+writes (the gradient of the state leaving every chunk, bf16 ``[num_chunks, H, V, K]``, and of
+the initial state, float32).
+
+Not on the call path yet (2026-12-02): the Triton backward's local-gradient kernels read the
+Triton prepare stage's workspace, so the chain alone would add K1 to the backward; it is here
+to be measured against Triton's chain (``tests/test_cuda_training.py``) before the
+local-gradient kernels read K1's workspace too (benchmarks/NOTES.md, 2026-12-02).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda.cuda import loader
+from kda.cuda.forward import (
+    FLAG_H0_BFLOAT16,
+    FLAG_HAS_H0,
+    FLAG_STATE_V_FIRST,
+    FLAG_STORE_HT,
+    _launch_context,
+    input_flags,
+    workspace_bytes,
+)
+from kda.dispatch import note, on_device
+from kda.tables import chunk_tables
+from kda.validation import Problem
+
+# Consumer warps per chain CTA (abi.CHAIN_WIDTHS): K2's choice for few (sequence, head) pairs,
+# which training calls are; not yet measured for the chain.
+CHAIN_WARPS = 2
+
+
+def state_grad_chain(
+    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, dh0: torch.Tensor | None, dstates: torch.Tensor
+) -> torch.Tensor:
+    """K1 and the reverse chain for ``p`` (a problem the CUDA backend takes): ``do`` the output
+    gradient (bf16, v's shape), ``dht`` the final state's (float32 or bf16, the state's layout)
+    or None for zero. Writes ``dstates`` (bf16 ``[num_chunks, H, V, K]`` of ``p``'s chunk
+    tables) and, when given, ``dh0`` (float32, the state's layout). Returns K1's workspace."""
+    if do.dtype != torch.bfloat16 or do.shape != p.v.shape:
+        raise ValueError(f"do must be bfloat16 of v's shape {tuple(p.v.shape)}, got {do.dtype} {tuple(do.shape)}")
+    if dht is not None and (dht.dtype not in (torch.float32, torch.bfloat16) or dht.shape != p.state_shape):
+        raise ValueError(
+            f"dht must be float32 or bfloat16 of shape {p.state_shape}, got {dht.dtype} {tuple(dht.shape)}"
+        )
+    if dh0 is not None and (dh0.dtype != torch.float32 or dh0.shape != p.state_shape):
+        raise ValueError(f"dh0 must be float32 of shape {p.state_shape}, got {dh0.dtype} {tuple(dh0.shape)}")
+    kernels, device_index, stream, capturing = _launch_context(p)
+    with on_device(device_index):
+        tables = chunk_tables(p, capturing)
+    num_chunks, N, H = tables.num_chunks, p.N, p.H
+    if dstates.dtype != torch.bfloat16 or tuple(dstates.shape) != (num_chunks, H, p.V, p.K):
+        raise ValueError(f"dstates must be bfloat16 [{num_chunks}, {H}, {p.V}, {p.K}], got {tuple(dstates.shape)}")
+    workspace = p.q.new_empty(workspace_bytes(p, tables), dtype=torch.uint8)
+    if N * H == 0:
+        return workspace
+    do, dht = do.contiguous(), None if dht is None else dht.contiguous()
+    bits = input_flags(p)
+    if dht is not None:
+        bits |= FLAG_HAS_H0
+        if dht.dtype == torch.bfloat16:
+            bits |= FLAG_H0_BFLOAT16
+    if dh0 is not None:
+        bits |= FLAG_STORE_HT
+    if p.state_v_first:
+        bits |= FLAG_STATE_V_FIRST
+    params = (  # loader.Params as the chain reads it: v = dO, h0 = dht, ht = dh0, checkpoints = dstates
+        p.q.data_ptr(), p.k.data_ptr(), do.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
+        0 if dht is None else dht.data_ptr(), 0 if dh0 is None else dh0.data_ptr(),
+        0, workspace.data_ptr(), *tables.addresses, dstates.data_ptr(), tables.checkpoint_offsets.data_ptr(),
+        num_chunks, N, H, bits,
+        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
+    )  # fmt: skip
+    with on_device(device_index), kernels.lock:
+        kernels.bind_context(device_index)
+        kernels.set_params(params)
+        if num_chunks:
+            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            note("cuda:prepare")
+        name, shared_bytes = loader.CHAIN_KERNELS[CHAIN_WARPS]
+        grid = (loader.HEAD_DIM // (16 * CHAIN_WARPS) * N * H, 1)
+        kernels.launch(name, grid, 32 * (CHAIN_WARPS + 1), shared_bytes, stream)
+        note("cuda:state_grad_chain")
+    return workspace
