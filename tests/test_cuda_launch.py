@@ -72,6 +72,18 @@ def load_kernels(monkeypatch, tmp_path):
     return load
 
 
+def fake_device(load_kernels, monkeypatch, block: type = loader.Params) -> tuple[FakeLibcuda, object]:
+    """``(libcuda, kernels)``: launches recorded by a FakeLibcuda (for ``block``), device 0
+    current, its current stream 0x5000: what the launch tests below stand on."""
+    libcuda = FakeLibcuda(block=block)
+    kernels = load_kernels(libcuda.launch)
+    monkeypatch.setattr(loader, "kernels", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "_current_device", None)
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    return libcuda, kernels
+
+
 def test_direct_launch_passes_the_driver_arguments_in_order(load_kernels):
     libcuda = FakeLibcuda()
     kernels = load_kernels(libcuda.launch)
@@ -106,12 +118,7 @@ def test_launch_goes_through_cuda_bindings_without_libcuda(load_kernels, monkeyp
 def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monkeypatch, state_dtype):
     """The Params block is packed positionally (one struct.pack_into); every field must land
     under its own name, for both launches, on the current device's current stream."""
-    libcuda = FakeLibcuda()
-    kernels = load_kernels(libcuda.launch)
-    monkeypatch.setattr(loader, "kernels", lambda: kernels)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(dispatch, "_current_device", None)
-    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     built = []  # varlen tables are built per call: keep the ones the launch was given
     monkeypatch.setattr(forward, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
@@ -224,12 +231,7 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     from kda.cuda import decode as cuda_decode
     from kda.validation import check_pool
 
-    libcuda = FakeLibcuda(block=loader.DecodeParams)
-    kernels = load_kernels(libcuda.launch)
-    monkeypatch.setattr(loader, "kernels", lambda: kernels)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(dispatch, "_current_device", None)
-    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    libcuda, kernels = fake_device(load_kernels, monkeypatch, loader.DecodeParams)
     lens = [2, 1, 3] if mode == 2 else None
     case = make_case(seq_lens=lens, B=3, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound",
                      seed=6)  # fmt: skip
@@ -310,12 +312,7 @@ def test_state_grad_chain_fills_the_params_block_as_the_chain_reads_it(load_kern
     per-chunk state gradients (recurrence.cu's state_grad_chain)."""
     from kda.cuda import training
 
-    libcuda = FakeLibcuda()
-    kernels = load_kernels(libcuda.launch)
-    monkeypatch.setattr(loader, "kernels", lambda: kernels)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(dispatch, "_current_device", None)
-    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x5000 + index)
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
     built = []
     monkeypatch.setattr(training, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)

@@ -186,13 +186,10 @@ def input_flags(p: Problem) -> int:
     return bits
 
 
-def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None) -> None:
-    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
-    ``checkpoints`` where given)."""
-    q, N, H = p.q, p.N, p.H
-    num_chunks = tables.num_chunks
-    A_log, dt_bias, h0 = p.A_log, p.dt_bias, p.initial_state
-    bits = input_flags(p)
+def state_flags(p: Problem, h0: torch.Tensor | None, ht: torch.Tensor | None) -> int:
+    """The flag bits of the state read (``h0``: has_h0, h0_bfloat16), the state written (``ht``:
+    store_ht, ht_bfloat16) and their layout (state_v_first)."""
+    bits = 0
     if h0 is not None:
         bits |= FLAG_HAS_H0
         if h0.dtype == torch.bfloat16:
@@ -203,19 +200,34 @@ def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prep
             bits |= FLAG_HT_BFLOAT16
     if p.state_v_first:
         bits |= FLAG_STATE_V_FIRST
-    if checkpoints is not None:
-        bits |= FLAG_STORE_CHECKPOINTS
+    return bits
 
-    warps = recurrence_warps(N * H, sm_count(device_index))
-    params = (  # loader.Params, field by field
-        q.data_ptr(), p.k.data_ptr(), p.v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
-        0 if A_log is None else A_log.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
+
+def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int) -> tuple:
+    """loader.Params field by field: ``p``'s inputs, with v, the state read and written, the
+    output, the workspace and the checkpoints given (the training backward's chain takes other
+    tensors for some of them: kda.cuda.training); None is a null pointer."""
+    return (
+        p.q.data_ptr(), p.k.data_ptr(), v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
-        o.data_ptr(), workspace.data_ptr(), *tables.addresses,
+        0 if o is None else o.data_ptr(), workspace.data_ptr(), *tables.addresses,
         0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_offsets.data_ptr(),
-        num_chunks, N, H, bits,
+        tables.num_chunks, p.N, p.H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
+
+
+def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None) -> None:
+    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
+    ``checkpoints`` where given)."""
+    N, H, h0 = p.N, p.H, p.initial_state
+    num_chunks = tables.num_chunks
+    bits = input_flags(p) | state_flags(p, h0, ht)
+    if checkpoints is not None:
+        bits |= FLAG_STORE_CHECKPOINTS
+    warps = recurrence_warps(N * H, sm_count(device_index))
+    params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)

@@ -81,66 +81,124 @@ struct StateOffsets {
   }
 };
 
+// What a CTA of either chain (K2, or the backward's reverse chain) works on. One linear grid,
+// V slices of a pair adjacent, so that the longest-first order of seq_order holds for the whole
+// launch (and N * H may pass the 65535 limit of grid.y).
+template <int WARPS>
+struct ChainSlice {
+  static constexpr int kSlices = kHeadDim / Stage<WARPS>::kBV;
+  int64_t nh, n, h, bos, eos, c_first, num_chunks;
+  int v0, v_warp;  // first V row of this CTA, of this warp
+  __device__ ChainSlice(const Params& p, int warp) {
+    nh = p.seq_order[blockIdx.x / kSlices];
+    n = nh / p.heads;
+    h = nh % p.heads;
+    v0 = (blockIdx.x % kSlices) * Stage<WARPS>::kBV;
+    v_warp = v0 + warp * 16;
+    bos = p.seq_offsets[n];
+    eos = p.seq_offsets[n + 1];
+    c_first = p.chunk_offsets[n];
+    num_chunks = p.chunk_offsets[n + 1] - c_first;
+  }
+  // Valid tokens of the sequence's chunk c (16 but for its last).
+  __device__ int rows(int64_t c) const { return static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - c * kChunk)); }
+};
+
+// This warp's 16 rows of a transposed state from p.h0 (float32 or bf16, either layout), or zeros.
+__device__ __forceinline__ void load_state(float (&St)[16][4], const Params& p, const StateOffsets& state_offset,
+                                           const Lane& lane, int64_t state_base) {
+  for (int j = 0; j < 16; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int64_t at = state_base + state_offset(lane, j, e);
+      St[j][e] = !(p.flags & kHasH0)       ? 0.f
+                 : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
+                                           : static_cast<const float*>(p.h0)[at];
+    }
+}
+
+// The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
+// bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in
+// round i / kStages; both sides step the stage and the round's parity instead of dividing.
+// Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
+// after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
+// lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
+// 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
+// the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
+// 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
+// 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
+// S^T Diag(gamma): key channel 8j + 2t (+1) of tile j scaled by gamma, the chunk's whole decay.
+__device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2* gamma, const Lane& lane) {
+  for (int j = 0; j < 16; ++j) {
+    const float2 gm = gamma[4 * j + lane.t];
+    St[j][0] *= gm.x;
+    St[j][1] *= gm.y;
+    St[j][2] *= gm.x;
+    St[j][3] *= gm.y;
+  }
+}
+
+template <int WARPS>
+struct Pipeline {
+  static constexpr bool kLaneRelease = WARPS < 4;
+  uint64_t* full;
+  uint64_t* empty;
+  int stage = 0, round_parity = 0;
+  __device__ Pipeline(uint64_t* full_, uint64_t* empty_) : full(full_), empty(empty_) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        cute::initialize_barrier(full[s], 1);
+        cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
+  __device__ void next() {
+    if (++stage == kStages) stage = 0, round_parity ^= 1;
+  }
+  // The producer warp: runs up to kStages chunks ahead of the consumers, the sequence's chunks
+  // in order or (kReverse) from its last.
+  template <bool kReverse>
+  __device__ void produce(const Params& p, const ChainSlice<WARPS>& cs, unsigned char* smem) {
+    for (int64_t i = 0; i < cs.num_chunks; ++i, next()) {
+      // Round r >= 1 refills a stage once the consumers' r-th release of it (parity r - 1) is in.
+      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
+      const int64_t c = kReverse ? cs.num_chunks - 1 - i : i;
+      load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
+                        p.workspace + ((cs.c_first + c) * p.heads + cs.h) * kWorkspaceBytes, p, cs.bos + c * kChunk,
+                        cs.rows(c), cs.h, cs.v0);
+    }
+  }
+  __device__ void wait_full() { mbarrier_wait(full[stage], round_parity); }
+  __device__ void release(const Lane& lane) {  // this lane (warp) is done with the stage
+    if constexpr (kLaneRelease) {
+      mbarrier_arrive(empty[stage]);
+    } else {
+      __syncwarp();
+      if (lane.l == 0) mbarrier_arrive(empty[stage]);
+    }
+  }
+};
+
 template <int WARPS>
 __device__ __forceinline__ void recurrence(const Params& p) {
   using WS = WorkspaceLayout;
   extern __shared__ __align__(128) unsigned char smem[];
   const Lane lane;
   const int warp = threadIdx.x / 32;
-  // One linear grid, V slices of a pair adjacent, so that the longest-first order of
-  // seq_order holds for the whole launch (and N * H may pass the 65535 limit of grid.y).
-  constexpr int kSlices = kHeadDim / Stage<WARPS>::kBV;
-  const int64_t nh = p.seq_order[blockIdx.x / kSlices];
-  const int64_t n = nh / p.heads, h = nh % p.heads;
-  const int v0 = (blockIdx.x % kSlices) * Stage<WARPS>::kBV;  // first V row of this CTA
-  const int v_warp = v0 + warp * 16;              // first V row of this warp
-  const int64_t bos = p.seq_offsets[n], eos = p.seq_offsets[n + 1];
-  const int64_t c_first = p.chunk_offsets[n], num_chunks = p.chunk_offsets[n + 1] - c_first;
+  const ChainSlice<WARPS> cs(p, warp);
+  const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, c_first = cs.c_first, num_chunks = cs.num_chunks;
+  const int v_warp = cs.v_warp;
 
   float St[16][4];  // S^T rows v_warp..+15; tile j holds key channels 8j..8j+7
   const StateOffsets state_offset(p, v_warp, lane);
-  const int64_t state_base = nh * kHeadDim * kHeadDim;
-  if (warp < WARPS)
-    for (int j = 0; j < 16; ++j)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t at = state_base + state_offset(lane, j, e);
-        St[j][e] = !(p.flags & kHasH0)       ? 0.f
-                   : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
-                                             : static_cast<const float*>(p.h0)[at];
-      }
+  const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
+  if (warp < WARPS) load_state(St, p, state_offset, lane, state_base);
 
-  // full[s]: stage s holds its chunk (the producer's arrival plus the copies' bytes);
-  // empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in round
-  // i / kStages; both sides step the stage and the round's parity instead of dividing.
-  // Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
-  // after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
-  // lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
-  // 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
-  // the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
-  // 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
-  // 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
-  constexpr bool kLaneRelease = WARPS < 4;
   __shared__ uint64_t full[kStages], empty[kStages];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      cute::initialize_barrier(full[s], 1);
-      cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  int stage = 0, round_parity = 0;
-  auto next_stage = [&] {
-    if (++stage == kStages) stage = 0, round_parity ^= 1;
-  };
-  if (warp == WARPS) {  // the producer warp: runs up to kStages chunks ahead of the consumers
-    for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
-      // Round r >= 1 refills a stage once the consumers' r-th release of it (parity r - 1) is in.
-      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
-      const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - i * kChunk));
-      load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
-                        p.workspace + ((c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, rows, h, v0);
-    }
+  Pipeline<WARPS> pipe(full, empty);
+  if (warp == WARPS) {
+    pipe.template produce<false>(p, cs, smem);
     return;
   }
   __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
@@ -152,7 +210,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   if (p.flags & kStoreCheckpoints)
     checkpoint = p.checkpoints + (p.checkpoint_offsets[n] * p.heads + h) * (kHeadDim * kHeadDim) +
                  (v_warp + lane.g) * kHeadDim + 2 * lane.t;
-  for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+  for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
     if (checkpoint != nullptr && i % kCheckpointChunks == 0) {
       // Elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8.
       for (int j = 0; j < 16; ++j) {
@@ -161,9 +219,9 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       }
       checkpoint += p.heads * (kHeadDim * kHeadDim);  // the sequence's next checkpoint row
     }
-    mbarrier_wait(full[stage], round_parity);
+    pipe.wait_full();
 
-    const unsigned char* st = smem + stage * Stage<WARPS>::kBytes;
+    const unsigned char* st = smem + pipe.stage * Stage<WARPS>::kBytes;
     const unsigned char* tile_qd = st + WS::q_decayed;
     const unsigned char* tile_w = st + WS::w;
     const unsigned char* tile_kr = st + WS::k_restored;
@@ -219,13 +277,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     accumulators_to_operand(aU, U[0], U[1]);
 
     // S^T_next = S^T Diag(gamma) + U^T k_restored (k_restored is row-major: ldmatrix.trans).
-    for (int j = 0; j < 16; ++j) {
-      const float2 gm = gamma[4 * j + lane.t];
-      St[j][0] *= gm.x;
-      St[j][1] *= gm.y;
-      St[j][2] *= gm.x;
-      St[j][3] *= gm.y;
-    }
+    scale_by_gamma(St, gamma, lane);
     for (int jp = 0; jp < 8; ++jp) {
       uint32_t bk[4];
       ldmatrix_x4_trans(bk, tile_kr + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
@@ -238,12 +290,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
-    if constexpr (kLaneRelease) {  // this lane (warp) is done with the stage
-      mbarrier_arrive(empty[stage]);
-    } else {
-      __syncwarp();
-      if (lane.l == 0) mbarrier_arrive(empty[stage]);
-    }
+    pipe.release(lane);
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
     for (int nt = 0; nt < 2; ++nt)
       for (int e = 0; e < 4; ++e)
@@ -285,53 +332,24 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const Lane lane;
   const int warp = threadIdx.x / 32;
-  constexpr int kSlices = kHeadDim / Stage<WARPS>::kBV;
-  const int64_t nh = p.seq_order[blockIdx.x / kSlices];
-  const int64_t n = nh / p.heads, h = nh % p.heads;
-  const int v0 = (blockIdx.x % kSlices) * Stage<WARPS>::kBV;
-  const int v_warp = v0 + warp * 16;
-  const int64_t bos = p.seq_offsets[n], eos = p.seq_offsets[n + 1];
-  const int64_t c_first = p.chunk_offsets[n], num_chunks = p.chunk_offsets[n + 1] - c_first;
+  const ChainSlice<WARPS> cs(p, warp);
+  const int64_t h = cs.h, bos = cs.bos, eos = cs.eos, c_first = cs.c_first, num_chunks = cs.num_chunks;
+  const int v_warp = cs.v_warp;
 
   float dSt[16][4];  // dS^T rows v_warp..+15; tile j holds key channels 8j..8j+7
   const StateOffsets state_offset(p, v_warp, lane);
-  const int64_t state_base = nh * kHeadDim * kHeadDim;
-  if (warp < WARPS)
-    for (int j = 0; j < 16; ++j)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t at = state_base + state_offset(lane, j, e);
-        dSt[j][e] = !(p.flags & kHasH0)       ? 0.f
-                    : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
-                                              : static_cast<const float*>(p.h0)[at];
-      }
+  const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
+  if (warp < WARPS) load_state(dSt, p, state_offset, lane, state_base);  // p.h0: the final state's gradient
 
-  constexpr bool kLaneRelease = WARPS < 4;  // as in recurrence()
   __shared__ uint64_t full[kStages], empty[kStages];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      cute::initialize_barrier(full[s], 1);
-      cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  int stage = 0, round_parity = 0;
-  auto next_stage = [&] {
-    if (++stage == kStages) stage = 0, round_parity ^= 1;
-  };
-  if (warp == WARPS) {  // the producer warp, the sequence's chunks from its last
-    for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
-      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
-      const int64_t c = num_chunks - 1 - i;
-      const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - c * kChunk));
-      load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
-                        p.workspace + ((c_first + c) * p.heads + h) * kWorkspaceBytes, p, bos + c * kChunk, rows, h, v0);
-    }
+  Pipeline<WARPS> pipe(full, empty);
+  if (warp == WARPS) {
+    pipe.template produce<true>(p, cs, smem);
     return;
   }
 
   __nv_bfloat16* const dstates = reinterpret_cast<__nv_bfloat16*>(p.checkpoints);
-  for (int64_t i = 0; i < num_chunks; ++i, next_stage()) {
+  for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
     const int64_t c = num_chunks - 1 - i;
     {  // dS leaving chunk c, [c, h, v, k]: elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8
       __nv_bfloat16* at = dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim) +
@@ -341,9 +359,9 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
         *reinterpret_cast<uint32_t*>(at + 8 * kHeadDim + 8 * j) = pack_bf16(dSt[j][2], dSt[j][3]);
       }
     }
-    mbarrier_wait(full[stage], round_parity);
+    pipe.wait_full();
 
-    const unsigned char* st = smem + stage * Stage<WARPS>::kBytes;
+    const unsigned char* st = smem + pipe.stage * Stage<WARPS>::kBytes;
     const unsigned char* tile_qd = st + WS::q_decayed;
     const unsigned char* tile_w = st + WS::w;
     const unsigned char* tile_kr = st + WS::k_restored;
@@ -386,13 +404,7 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
     accumulators_to_operand(aU, minus_dU[0], minus_dU[1]);
 
     // dS^T Diag(gamma) + dO^T q_decayed - dU^T w (q_decayed and w row-major: ldmatrix.trans).
-    for (int j = 0; j < 16; ++j) {
-      const float2 gm = gamma[4 * j + lane.t];
-      dSt[j][0] *= gm.x;
-      dSt[j][1] *= gm.y;
-      dSt[j][2] *= gm.x;
-      dSt[j][3] *= gm.y;
-    }
+    scale_by_gamma(dSt, gamma, lane);
     for (int jp = 0; jp < 8; ++jp) {
       uint32_t bq[4], bw[4];
       ldmatrix_x4_trans(bq, tile_qd + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
@@ -402,12 +414,7 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
       mma_bf16(dSt[2 * jp], aU, bw[0], bw[1]);
       mma_bf16(dSt[2 * jp + 1], aU, bw[2], bw[3]);
     }
-    if constexpr (kLaneRelease) {
-      mbarrier_arrive(empty[stage]);
-    } else {
-      __syncwarp();
-      if (lane.l == 0) mbarrier_arrive(empty[stage]);
-    }
+    pipe.release(lane);
   }
 
   if (p.flags & kStoreHt)

@@ -15,15 +15,7 @@ from __future__ import annotations
 import torch
 
 from kda.cuda import loader
-from kda.cuda.forward import (
-    FLAG_H0_BFLOAT16,
-    FLAG_HAS_H0,
-    FLAG_STATE_V_FIRST,
-    FLAG_STORE_HT,
-    _launch_context,
-    input_flags,
-    workspace_bytes,
-)
+from kda.cuda.forward import _launch_context, chunk_params, input_flags, state_flags, workspace_bytes
 from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
 from kda.validation import Problem
@@ -58,23 +50,9 @@ def state_grad_chain(
     if N * H == 0:
         return workspace
     do, dht = do.contiguous(), None if dht is None else dht.contiguous()
-    bits = input_flags(p)
-    if dht is not None:
-        bits |= FLAG_HAS_H0
-        if dht.dtype == torch.bfloat16:
-            bits |= FLAG_H0_BFLOAT16
-    if dh0 is not None:
-        bits |= FLAG_STORE_HT
-    if p.state_v_first:
-        bits |= FLAG_STATE_V_FIRST
-    params = (  # loader.Params as the chain reads it: v = dO, h0 = dht, ht = dh0, checkpoints = dstates
-        p.q.data_ptr(), p.k.data_ptr(), do.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
-        0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
-        0 if dht is None else dht.data_ptr(), 0 if dh0 is None else dh0.data_ptr(),
-        0, workspace.data_ptr(), *tables.addresses, dstates.data_ptr(), tables.checkpoint_offsets.data_ptr(),
-        num_chunks, N, H, bits,
-        p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
-    )  # fmt: skip
+    bits = input_flags(p) | state_flags(p, dht, dh0)  # dh0 is float32: no ht_bfloat16
+    # loader.Params as the chain reads it: v = dO, h0 = dht, ht = dh0, checkpoints = dstates
+    params = chunk_params(p, do, dht, dh0, None, workspace, tables, dstates, bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
