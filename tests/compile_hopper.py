@@ -114,15 +114,19 @@ for mixed, (BV, num_warps) in itertools.product((False, True), ((32, 2), (64, 4)
              MIXED=mixed, DOT_PRECISION="tf32", INTERPRET=False),
         num_warps,
     )  # fmt: skip
-for BV, num_warps in ((32, 8), (64, 4)):
+# K1's workspace (K1_LAYOUT, the CUDA reverse chain's backward): its 16 x 16 operands are bf16 views
+K1_SQUARES = {"inverse_beta": "*bf16", "inverse_beta_lo": "*bf16", "M": "*bf16"}
+for (BV, num_warps), k1 in itertools.product(((32, 8), (64, 4)), (False, True)):
     build(
         chunk_state_grads_kernel,
-        {"HV": "i32", "K": "i32", "V": "i32"},
-        dict(BK=128, BV=BV, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4),
+        {"HV": "i32", "K": "i32", "V": "i32", **(K1_SQUARES if k1 else {})},
+        dict(BK=128, BV=BV, MIXED=True, DOT_PRECISION="tf32", INTERPRET=False, CHECKPOINT=4, K1_LAYOUT=k1),
         num_warps,
     )  # fmt: skip
 # float32-accurate products on the tensor cores (chunk_grad.DU_PRECISION)
-build(chunk_du_grads_kernel, {"HV": "i32", "V": "i32"}, dict(BV=64), 4)
+for k1 in (False, True):
+    squares = {n: K1_SQUARES[n] for n in ("inverse_beta", "inverse_beta_lo")} if k1 else {}
+    build(chunk_du_grads_kernel, {"HV": "i32", "V": "i32", **squares}, dict(BV=64, K1_LAYOUT=k1), 4)
 # the safe lower-bound gate in one launch; the others in two (prepare.FAR_LAUNCHES)
 for gate, pairwise in ((0, False), (0, True), (1, False), (2, False), (2, True)):
     build(

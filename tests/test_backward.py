@@ -437,3 +437,65 @@ def test_triton_gradients_through_hard_resets(gate, value):
         case.g[0, t, hv, channels] = value
     ref = fp64_gradients(case)
     assert_gradients_close(gradients(case, "triton"), ref, fp32_bars(case, ref))
+
+
+def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:
+    """K1's workspace bytes as K1 stores them (kda.abi.WORKSPACE), built from the Triton prepare
+    stage's operands: the tiles swizzled, inverse_beta as its bf16 part and bf16 remainder, M
+    in bf16, gamma in float32."""
+    from kda.cuda.loader import WORKSPACE_BYTES, WORKSPACE_FIELDS, swizzle_tiles
+
+    NC, HV = ws["gamma"].shape[:2]
+    hi = ws["inverse_beta"].to(torch.bfloat16)
+    fields = {name: swizzle_tiles(ws[name]) for name in ("q_decayed", "w", "k_restored")}
+    fields |= dict(inverse_beta_hi=hi, inverse_beta_lo=(ws["inverse_beta"] - hi.float()).to(torch.bfloat16))
+    fields |= dict(M=ws["M"].to(torch.bfloat16), gamma=ws["gamma"].float())
+    buf = torch.full((NC * HV * WORKSPACE_BYTES,), 0xFF, dtype=torch.uint8, device=ws["gamma"].device)
+    blocks = buf.view(NC, HV, WORKSPACE_BYTES)
+    for name, (offset, _dtype, _shape) in WORKSPACE_FIELDS.items():
+        data = fields[name].contiguous().view(torch.uint8).view(NC, HV, -1)
+        blocks[:, :, offset : offset + data.shape[-1]] = data
+    return buf
+
+
+def test_local_gradient_kernels_read_k1s_workspace():
+    """chunk_grads on K1's workspace (K1_LAYOUT: the CUDA reverse chain's backward, read through
+    kda.cuda.training.k1_operands) gives the gradients it gives on the Triton prepare stage's
+    workspace, up to M's bf16 rounding; a misread field (the unswizzled tiles) is far off."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed (kda.cuda.loader)")
+    from kda.cuda.loader import swizzle_tiles
+    from kda.cuda.training import k1_operands
+    from kda.tables import chunk_tables
+    from kda.triton import precision_for
+    from kda.triton.chunk_grad import chunk_grads, input_grad_slices
+    from kda.triton.prepare import prepare_chunks
+    from kda.triton.state_grad import state_grad_chain
+    from kda.triton.training import train_forward
+
+    case = make_case(seq_lens=[40, 9], H=2, K=128, V=128, dtype=torch.bfloat16, device=DEVICE, seed=41)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    workspace_dtype, dot_precision, mixed = precision_for(p.q.dtype)
+    tables = chunk_tables(p)
+    _, _, checkpoints = train_forward(p)
+    ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
+    do = torch.randn(p.v.shape, generator=torch.Generator().manual_seed(42)).to(DEVICE, torch.bfloat16)
+    dstates = p.q.new_empty(tables.num_chunks, p.HV, p.V, p.K)
+    state_grad_chain(p, tables, ws, do, None, None, dstates, mixed, dot_precision)
+
+    def local(workspace, k1_layout):
+        grads = {name: torch.full_like(getattr(p, name), float("nan")) for name in ("q", "k", "v", "g", "beta")}
+        slices = input_grad_slices(p.K, tables.BK)
+        grads |= dict(A_log=p.q.new_zeros(tables.num_chunks, p.HV, slices, dtype=torch.float32))
+        grads |= dict(dt_bias=p.q.new_zeros(tables.num_chunks, p.HV, p.K, dtype=torch.float32))
+        chunk_grads(p, tables, workspace, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout)
+        return grads
+
+    want = local(ws, False)
+    got = local(k1_operands(k1_workspace(ws)), True)
+    errors = {name: rel(got[name].float(), want[name].float()) for name in want}
+    print("K1 layout against Triton's, rel RMS:", {name: f"{e:.1e}" for name, e in errors.items()})
+    assert all(got[name].isfinite().all() for name in got)
+    assert max(errors.values()) < 1e-2, errors
+    unswizzled = dict(ws, **{name: swizzle_tiles(ws[name]) for name in ("w", "k_restored")})
+    wrong = local(k1_operands(k1_workspace(unswizzled)), True)
+    assert max(rel(wrong[n].float(), want[n].float()) for n in want) > 10 * max(errors.values())

@@ -267,3 +267,24 @@ def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout):
     ref = fp64_gradients(case)["initial_state"].to("cuda")
     ours_err, triton_err = rel(dh0, ref), rel(dh0_t, ref)
     assert ours_err <= 1.1 * triton_err + 1e-4, (ours_err, triton_err)
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_backward_chain_switch_trains(monkeypatch):
+    """KDA_CUDA_BACKWARD_CHAIN (experimental): the backward runs K1 and the CUDA reverse chain,
+    and the Triton local-gradient kernels on K1's workspace (no Triton prepare stage or chain);
+    every gradient against fp64 within 1.5 times the Triton-only path's error (K1's M is bf16:
+    on the CPU its rounding moved dv by 2.9e-3 relative, test_backward's K1-workspace test)."""
+    monkeypatch.setattr(kda.cuda, "BACKWARD_CHAIN", True)
+    case = make_case(seq_lens=[300, 17, 129], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=22)
+    ref = gradients(case.to(torch.float64), "torch")
+    triton_only = gradients(case, "triton")
+    with kda.record_dispatch() as events:
+        ours = gradients(case, "cuda")
+    assert "cuda:state_grad_chain" in events and "triton:chunk_grads" in events, events
+    assert "triton:prepare_chunks" not in events and "triton:state_grad_chain" not in events, events
+    report = {name: (rel(ours[name], ref[name]), rel(triton_only[name], ref[name])) for name in ref}
+    print("gradient rel RMS vs fp64, cuda chain / triton:", {n: f"{a:.2e} / {b:.2e}" for n, (a, b) in report.items()})
+    for name, (ours_err, triton_err) in report.items():
+        assert ours_err <= 1.5 * triton_err + 1e-4, f"d{name}: cuda chain {ours_err:.3e} vs triton {triton_err:.3e}"

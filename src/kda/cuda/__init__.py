@@ -11,12 +11,15 @@ that trains runs its forward here (K2 also writing the state checkpoints) and it
 Triton (:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
-(``forward.recurrence_warps``). Both are read once, at import (:func:`read_switches`).
+(``forward.recurrence_warps``); ``KDA_CUDA_BACKWARD_CHAIN=1`` (experimental, off by default:
+not yet run on a GPU) runs a training backward's reverse chain here on K1's workspace
+(:mod:`kda.cuda.training`) and the Triton local-gradient kernels on that workspace. All are read
+once, at import (:func:`read_switches`).
 
-On an H200 (``benchmarks/NOTES.md``, 2026-12-02, runs 30-32, commit 35e95d2) this release
-passed the whole suite and compute-sanitizer memcheck; racecheck reports hazards between K2's
-bulk copies refilling a pipeline stage and the consumers' reads of it (present before the
-checkpoint stores; most likely the tool not following the one-lane release, not yet settled).
+On an H200 (``benchmarks/NOTES.md``, 2026-12-02, runs 30-37) the kernels passed the whole suite
+(run 34) and compute-sanitizer memcheck and racecheck (run 37); racecheck reports the 4-warp
+K2's stage refills as racing with the 31 lanes that leave the release to lane 0 after
+``__syncwarp()``, which the memory model orders (recurrence.cu says why that width keeps it).
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
 READ_DTYPES = (torch.bfloat16, torch.float32)  # of g and beta
 TURNED_OFF = False  # KDA_CUDA=0
 WARPS_OVERRIDE: str | None = None  # KDA_CUDA_WARPS, checked where it is used
+BACKWARD_CHAIN = False  # KDA_CUDA_BACKWARD_CHAIN=1
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA`` and ``KDA_CUDA_WARPS`` from the environment: once, at import, as an
-    environment read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside
-    ``os.environ``) against a host budget of 40 us a call. Call it again after changing
-    either in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS`` and ``KDA_CUDA_BACKWARD_CHAIN`` from the
+    environment: once, at import, as an environment read costs 0.6-0.7 us (an unset name
+    raises and catches a KeyError inside ``os.environ``) against a host budget of 40 us a call.
+    Call it again after changing any in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
+    BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") == "1"
 
 
 read_switches()

@@ -4,10 +4,10 @@ each sequence's last chunk to its first, writing what ``kda/triton/state_grad.py
 writes (the gradient of the state leaving every chunk, bf16 ``[num_chunks, H, V, K]``, and of
 the initial state, float32).
 
-Not on the call path yet (2026-12-02): the Triton backward's local-gradient kernels read the
-Triton prepare stage's workspace, so the chain alone would add K1 to the backward; it is here
-to be measured against Triton's chain (``tests/test_cuda_training.py``) before the
-local-gradient kernels read K1's workspace too (benchmarks/NOTES.md, 2026-12-02).
+``KDA_CUDA_BACKWARD_CHAIN=1`` puts it on a training backward's path (``kda.triton.training``):
+K1 and this chain in place of the Triton prepare stage and chain, the Triton local-gradient
+kernels then reading K1's workspace (``k1_operands``). Off by default: written 2026-12-02 and
+not yet run on a GPU (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -25,13 +25,31 @@ from kda.validation import Problem
 CHAIN_WARPS = 2
 
 
+def k1_operands(workspace: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views of K1's workspace (uint8, blocks of loader.WORKSPACE_BYTES per (chunk, head)),
+    each starting at its field in the first block, as ``kda.triton.chunk_grad``'s K1_LAYOUT
+    kernels read them (a block further on is chunk_grad.K1_BLOCK_BF16 / K1_BLOCK_F32 elements):
+    q_decayed, w, k_restored (swizzled tiles), inverse_beta (its bf16 part), inverse_beta_lo, M
+    (bf16) and gamma (float32)."""
+    views = {}
+    for name, (offset, dtype, _shape) in loader.WORKSPACE_FIELDS.items():
+        views["inverse_beta" if name == "inverse_beta_hi" else name] = workspace[offset:].view(getattr(torch, dtype))
+    return views
+
+
 def state_grad_chain(
-    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, dh0: torch.Tensor | None, dstates: torch.Tensor
+    p: Problem,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    dh0: torch.Tensor | None,
+    dstates: torch.Tensor,
+    tables=None,
 ) -> torch.Tensor:
     """K1 and the reverse chain for ``p`` (a problem the CUDA backend takes): ``do`` the output
     gradient (bf16, v's shape), ``dht`` the final state's (float32 or bf16, the state's layout)
     or None for zero. Writes ``dstates`` (bf16 ``[num_chunks, H, V, K]`` of ``p``'s chunk
-    tables) and, when given, ``dh0`` (float32, the state's layout). Returns K1's workspace."""
+    tables; ``tables``: those tables if already at hand) and, when given, ``dh0`` (float32, the
+    state's layout). Returns K1's workspace."""
     if do.dtype != torch.bfloat16 or do.shape != p.v.shape:
         raise ValueError(f"do must be bfloat16 of v's shape {tuple(p.v.shape)}, got {do.dtype} {tuple(do.shape)}")
     if dht is not None and (dht.dtype not in (torch.float32, torch.bfloat16) or dht.shape != p.state_shape):
@@ -41,8 +59,9 @@ def state_grad_chain(
     if dh0 is not None and (dh0.dtype != torch.float32 or dh0.shape != p.state_shape):
         raise ValueError(f"dh0 must be float32 of shape {p.state_shape}, got {dh0.dtype} {tuple(dh0.shape)}")
     kernels, device_index, stream, capturing = _launch_context(p)
-    with on_device(device_index):
-        tables = chunk_tables(p, capturing)
+    if tables is None:
+        with on_device(device_index):
+            tables = chunk_tables(p, capturing)
     num_chunks, N, H = tables.num_chunks, p.N, p.H
     if dstates.dtype != torch.bfloat16 or tuple(dstates.shape) != (num_chunks, H, p.V, p.K):
         raise ValueError(f"dstates must be bfloat16 [{num_chunks}, {H}, {p.V}, {p.K}], got {tuple(dstates.shape)}")

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.abi import WORKSPACE_BYTES
 from kda.intmath import cdiv, next_power_of_2
 from kda.tables import CHECKPOINT_CHUNKS, CHUNK, DOT_MIN
 from kda.triton.common import autotune_configs, interpreting, safe_gate_path
@@ -75,6 +76,48 @@ DU_PRECISION = tl.constexpr("tf32x3")
 # Triton 3.6, 2026-12-01) and the H200 ran it at 12.5% occupancy (benchmarks/NOTES.md).
 INPUT_GRAD_SLICE = 32
 INTERPRETER_SLICE = 16  # narrower under the interpreter: the CPU tests' K of 24 and 32 take two slices
+
+
+# K1's workspace (kda.abi.WORKSPACE, kda/cuda/kda_cuda.cuh), which the state-products and dU
+# kernels read in place of the Triton prepare stage's when the CUDA reverse chain ran
+# (kda.cuda.training, KDA_CUDA_BACKWARD_CHAIN): a block of WORKSPACE_BYTES per (chunk, head),
+# read through typed views of each field (kda.cuda.training.k1_operands), so a block is this
+# many elements of a bf16 or a float32 view.
+K1_BLOCK_BF16 = tl.constexpr(WORKSPACE_BYTES // 2)
+K1_BLOCK_F32 = tl.constexpr(WORKSPACE_BYTES // 4)
+
+
+@triton.jit
+def _ws_tile_offsets(r, c, BK: tl.constexpr, K1_LAYOUT: tl.constexpr):
+    """``(offsets of elements (r, c) within a [16, BK] workspace tile, elements a block)`` for
+    broadcast index tensors r, c: Triton's row-major tiles, or K1's, stored swizzled
+    (kda_cuda.cuh tile_offset: 16-byte piece c // 8 of row r at piece c // 8 ^ r % 8; BK = 128)."""
+    if K1_LAYOUT:
+        offsets = r * BK + ((c // 8) ^ (r % 8)) * 8 + c % 8
+        block = K1_BLOCK_BF16
+    else:
+        offsets = r * BK + c
+        block = ROWS * BK
+    return offsets, block
+
+
+@triton.jit
+def _ws_square(ptr, lo, block, square, K1_LAYOUT: tl.constexpr, SPLIT: tl.constexpr):
+    """A 16 x 16 workspace operand of block ``block`` in float32: Triton's, or K1's bf16 (with
+    SPLIT, inverse_beta as its bf16 part plus the bf16 remainder at ``lo``)."""
+    if K1_LAYOUT:
+        x = tl.load(ptr + block * K1_BLOCK_BF16 + square).to(tl.float32)
+        if SPLIT:
+            x = x + tl.load(lo + block * K1_BLOCK_BF16 + square).to(tl.float32)
+    else:
+        x = tl.load(ptr + block * ROWS * ROWS + square)
+    return x
+
+
+@triton.jit
+def _ws_gamma(ptr, block, rows_k, BK: tl.constexpr, K1_LAYOUT: tl.constexpr):
+    """gamma (exp of the chunk's whole log-decay) of block ``block``, float32 either way."""
+    return tl.load(ptr + block * (K1_BLOCK_F32 if K1_LAYOUT else BK) + rows_k)
 
 
 def input_grad_slice(BK: int) -> int:
@@ -138,12 +181,13 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, R, scale, rows):
 @triton.jit
 def chunk_state_grads_kernel(
     v, do, seq_offsets, chunk_offsets, chunk_seq, checkpoint_offsets,
-    w, k_restored, gamma, inverse_beta, M,
+    w, k_restored, gamma, inverse_beta, inverse_beta_lo, M,
     checkpoints, dstates,
     d_u, d_operands, d_gamma_out,
     HV, K, V,
     BK: tl.constexpr, BV: tl.constexpr,
     MIXED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, CHECKPOINT: tl.constexpr,
+    K1_LAYOUT: tl.constexpr,
 ):  # fmt: skip
     """The V slices of one (chunk, value head): dU, and the products with S and dS_next summed
     over V. The big ones are formed transposed, ``[K, 16] = [K, BV] @ [BV, 16]``, so that the
@@ -163,14 +207,14 @@ def chunk_state_grads_kernel(
     row_ok = tok < eos
     k_ok = rows_k < K
     square = rows[:, None] * ROWS + rows[None, :]
-    tile = rows[:, None] * BK + rows_k[None, :]  # [16, BK] of a workspace operand
-    tile_t = rows[None, :] * BK + rows_k[:, None]  # [BK, 16]
+    tile, tile_block = _ws_tile_offsets(rows[:, None], rows_k[None, :], BK, K1_LAYOUT)  # [16, BK] of an operand
+    tile_t, _ = _ws_tile_offsets(rows[None, :], rows_k[:, None], BK, K1_LAYOUT)  # [BK, 16]
     operand_dtype = w.dtype.element_ty
     ws = i_c * HV + i_hv
-    b_w = tl.load(w + ws * ROWS * BK + tile)
-    b_kr = tl.load(k_restored + ws * ROWS * BK + tile)
-    b_ib = tl.load(inverse_beta + ws * ROWS * ROWS + square)
-    b_M = tl.load(M + ws * ROWS * ROWS + square)
+    b_w = tl.load(w + ws * tile_block + tile)
+    b_kr = tl.load(k_restored + ws * tile_block + tile)
+    b_ib = _ws_square(inverse_beta, inverse_beta_lo, ws, square, K1_LAYOUT, True)
+    b_M = _ws_square(M, M, ws, square, K1_LAYOUT, False)
 
     d_qdt = tl.zeros([BK, ROWS], dtype=tl.float32)
     d_wt = tl.zeros([BK, ROWS], dtype=tl.float32)
@@ -191,11 +235,11 @@ def chunk_state_grads_kernel(
             ws2 = c2 * HV + i_hv
             b_v2 = tl.load(v + (tok2[:, None] * HV + i_hv) * V + cols_v[None, :],
                            mask=(tok2 < eos)[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
-            U2 = tl.dot(tl.load(inverse_beta + ws2 * ROWS * ROWS + square), b_v2.to(tl.float32),
-                        input_precision=DOT_PRECISION)  # fmt: skip
-            U2 -= _mm(tl.load(w + ws2 * ROWS * BK + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
-            S = S * tl.load(gamma + ws2 * BK + rows_k)[:, None] + _mm(
-                tl.load(k_restored + ws2 * ROWS * BK + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
+            U2 = tl.dot(_ws_square(inverse_beta, inverse_beta_lo, ws2, square, K1_LAYOUT, True),
+                        b_v2.to(tl.float32), input_precision=DOT_PRECISION)  # fmt: skip
+            U2 -= _mm(tl.load(w + ws2 * tile_block + tile), S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET)
+            S = S * _ws_gamma(gamma, ws2, rows_k, BK, K1_LAYOUT)[:, None] + _mm(
+                tl.load(k_restored + ws2 * tile_block + tile_t), U2, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
             )
         io_mask = row_ok[:, None] & v_ok[None, :]
         io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
@@ -216,18 +260,20 @@ def chunk_state_grads_kernel(
         d_gamma += tl.sum(S * dS, axis=1, keep_dims=True)
 
     # [3, NC, HV, 16, BK] operand gradients (Q~, w, K^), [NC, HV, BK] gamma's
+    out_t = rows[None, :] * BK + rows_k[:, None]  # [BK, 16] of a row-major [16, BK] block
     plane = tl.num_programs(0).to(tl.int64) * HV * ROWS * BK
-    tl.store(d_operands + ws * ROWS * BK + tile_t, d_qdt)
-    tl.store(d_operands + plane + ws * ROWS * BK + tile_t, d_wt)
-    tl.store(d_operands + 2 * plane + ws * ROWS * BK + tile_t, d_krt)
+    tl.store(d_operands + ws * ROWS * BK + out_t, d_qdt)
+    tl.store(d_operands + plane + ws * ROWS * BK + out_t, d_wt)
+    tl.store(d_operands + 2 * plane + ws * ROWS * BK + out_t, d_krt)
     tl.store(d_gamma_out + ws * BK + rows_k[:, None], d_gamma)
 
 
 @triton.autotune(configs=autotune_configs([{}], warps=(4, 2), stages=(1,)), key=["BV"])
 @triton.jit
 def chunk_du_grads_kernel(
-    v, do, seq_offsets, chunk_offsets, chunk_seq, inverse_beta, d_u, dv, d_squares, HV, V, BV: tl.constexpr
-):
+    v, do, seq_offsets, chunk_offsets, chunk_seq, inverse_beta, inverse_beta_lo, d_u, dv, d_squares, HV, V,
+    BV: tl.constexpr, K1_LAYOUT: tl.constexpr,
+):  # fmt: skip
     """dU's products over V that need no state, one (chunk, value head): ``dV = inverse_beta^T
     dU`` (stored), ``dU V^T`` and ``dO V^T`` (to ``d_squares`` [2, NC, HV, 16, 16]), in
     ``DU_PRECISION``."""
@@ -240,8 +286,10 @@ def chunk_du_grads_kernel(
     tok = t0 + rows
     row_ok = tok < eos
     ws = i_c * HV + i_hv
-    square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]
-    b_ibt = tl.trans(tl.load(inverse_beta + square))
+    square = ws * ROWS * ROWS + rows[:, None] * ROWS + rows[None, :]  # of d_squares
+    b_ibt = tl.trans(
+        _ws_square(inverse_beta, inverse_beta_lo, ws, rows[:, None] * ROWS + rows[None, :], K1_LAYOUT, True)
+    )
     du_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
     do_vt = tl.zeros([ROWS, ROWS], dtype=tl.float32)
     for i_v in tl.range(0, tl.cdiv(V, BV)):
@@ -520,12 +568,15 @@ def chunk_input_grads_kernel(
 
 
 def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
-                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str) -> None:  # fmt: skip
+                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str,
+                k1_layout: bool = False) -> None:  # fmt: skip
     """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
     backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
     shapes, and the per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where
     the gate has them). Between the two, float32 scratch holds the operand gradients and dU (3 x
-    16 x BK + 16 x V + BK values per chunk and value head); the last kernel reuses it."""
+    16 x BK + 16 x V + BK values per chunk and value head); the last kernel reuses it. ``ws`` is
+    the Triton prepare stage's workspace, or with ``k1_layout`` K1's as
+    ``kda.cuda.training.k1_operands`` views it (bf16, K = V = 128)."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
     d_u = p.q.new_empty(NC, HV, CHUNK, p.V, dtype=torch.float32)
@@ -533,15 +584,17 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
     chunk_state_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
-        ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws["M"],
+        ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws.get("inverse_beta_lo"), ws["M"],
         checkpoints, dstates,
         d_u, d_operands, d_gamma,
         HV, p.K, p.V, BK=BK,
         MIXED=mixed, DOT_PRECISION=dot_precision, INTERPRET=interpreting(), CHECKPOINT=CHECKPOINT_CHUNKS,
+        K1_LAYOUT=k1_layout,
     )  # fmt: skip
     chunk_du_grads_kernel[(NC, HV)](
-        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"], d_u, grads["v"],
-        d_squares, HV, p.V, BV=max(min(next_power_of_2(p.V), DU_SLICE), DOT_MIN),
+        p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"],
+        ws.get("inverse_beta_lo"), d_u, grads["v"], d_squares, HV, p.V, BV=max(min(next_power_of_2(p.V), DU_SLICE), DOT_MIN),
+        K1_LAYOUT=k1_layout,
     )  # fmt: skip
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     safe = safe_gate_path(p)

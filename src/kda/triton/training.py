@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from kda.dispatch import note
+from kda.dispatch import log_once, note
 from kda.tables import checkpoint_rows, chunk_tables
 from kda.triton import chunk_forward, precision_for
 from kda.triton.chunk_grad import chunk_grads, input_grad_slices
+from kda.triton.common import safe_gate_path
 from kda.triton.prepare import prepare_chunks
 from kda.triton.state_grad import state_grad_chain
 from kda.validation import Problem
@@ -32,6 +33,28 @@ def train_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None, torch.
     checkpoints = p.q.new_empty(checkpoint_shape(p), dtype=torch.float32)
     o, ht = chunk_forward(p, checkpoints=checkpoints)
     return o, ht, checkpoints
+
+
+def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None) -> str | None:
+    """Why the backward of ``p`` does not run its reverse chain on the CUDA path, or None:
+    ``KDA_CUDA_BACKWARD_CHAIN=1`` asks for it (experimental, off by default) and the CUDA backend
+    takes ``p`` (bf16, K = V = 128, H = HV) with the safe lower-bound gate, a bf16 ``do`` and a
+    float32 or bf16 ``dht``."""
+    import kda.cuda
+
+    if not kda.cuda.BACKWARD_CHAIN:
+        return "KDA_CUDA_BACKWARD_CHAIN is not 1"
+    backend = kda.cuda.BACKEND
+    why = backend.availability() or backend.rejects(p) or kda.cuda.misaligned(p)
+    if why is None and not safe_gate_path(p):
+        why = "the gate is not the safe lower-bound gate (the far-row flags come from the Triton prepare stage)"
+    if why is None and do.dtype != torch.bfloat16:
+        why = f"do is {do.dtype} (the chain reads bf16)"
+    if why is None and dht is not None and dht.dtype not in (torch.float32, torch.bfloat16):
+        why = f"dht is {dht.dtype} (the chain reads float32 or bf16)"
+    if why is not None:
+        log_once(f"chunk_kda backward: reverse chain on Triton ({why})")
+    return why
 
 
 def backward(
@@ -61,13 +84,20 @@ def backward(
     h0 = p.initial_state
     dh0 = None if h0 is None else torch.empty(h0.shape, dtype=torch.float32, device=h0.device)
     if p.N * HV:
-        ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
-        note("triton:prepare_chunks")
         dstates = p.q.new_empty(NC, HV, p.V, p.K, dtype=workspace_dtype)
-        state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
-        note("triton:state_grad_chain")
+        k1_layout = cuda_chain_refusal(p, do, dht) is None
+        if k1_layout:  # K1 and the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN)
+            from kda.cuda.training import k1_operands
+            from kda.cuda.training import state_grad_chain as cuda_state_grad_chain
+
+            ws = k1_operands(cuda_state_grad_chain(p, do, dht, dh0, dstates, tables))
+        else:
+            ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
+            note("triton:prepare_chunks")
+            state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
+            note("triton:state_grad_chain")
         if NC:
-            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision)
+            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout)
             note("triton:chunk_grads")
     if A_log_part is not None:
         grads["A_log"] = A_log_part.sum((0, 2))
