@@ -90,6 +90,9 @@ def backward(
             from kda.cuda.training import k1_operands
             from kda.cuda.training import state_grad_chain as cuda_state_grad_chain
 
+            log_once(
+                "chunk_kda backward: K1 and the reverse chain on cuda (KDA_CUDA_BACKWARD_CHAIN), the rest on triton"
+            )
             ws = k1_operands(cuda_state_grad_chain(p, do, dht, dh0, dstates, tables))
         else:
             ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
