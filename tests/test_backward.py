@@ -461,7 +461,9 @@ def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_local_gradient_kernels_read_k1s_workspace():
     """chunk_grads on K1's workspace (K1_LAYOUT: the CUDA reverse chain's backward, read through
     kda.cuda.training.k1_operands) gives the gradients it gives on the Triton prepare stage's
-    workspace, up to M's bf16 rounding; a misread field (the unswizzled tiles) is far off."""
+    workspace holding the same values (M rounded to bf16, inverse_beta as its two bf16 parts);
+    on the unrounded workspace it differs by M's bf16 rounding (printed); a misread field (the
+    unswizzled tiles, or inverse_beta without its remainder) is far off."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed (kda.cuda.loader)")
     from kda.cuda.loader import swizzle_tiles
     from kda.cuda.training import k1_operands
@@ -490,12 +492,19 @@ def test_local_gradient_kernels_read_k1s_workspace():
         chunk_grads(p, tables, workspace, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout)
         return grads
 
-    want = local(ws, False)
+    hi = ws["inverse_beta"].to(torch.bfloat16)
+    lo = (ws["inverse_beta"] - hi.float()).to(torch.bfloat16)
+    same_values = dict(ws, M=ws["M"].to(torch.bfloat16).float(), inverse_beta=hi.float() + lo.float())
+    want = local(same_values, False)
     got = local(k1_operands(k1_workspace(ws)), True)
-    errors = {name: rel(got[name].float(), want[name].float()) for name in want}
-    print("K1 layout against Triton's, rel RMS:", {name: f"{e:.1e}" for name, e in errors.items()})
     assert all(got[name].isfinite().all() for name in got)
-    assert max(errors.values()) < 1e-2, errors
+    errors = {name: rel(got[name].float(), want[name].float()) for name in want}
+    assert max(errors.values()) < 1e-5, errors
+    unrounded = local(ws, False)
+    print("K1 layout against the unrounded Triton workspace, rel RMS:",
+          {n: f"{rel(got[n].float(), unrounded[n].float()):.1e}" for n in got})  # fmt: skip
     unswizzled = dict(ws, **{name: swizzle_tiles(ws[name]) for name in ("w", "k_restored")})
-    wrong = local(k1_operands(k1_workspace(unswizzled)), True)
-    assert max(rel(wrong[n].float(), want[n].float()) for n in want) > 10 * max(errors.values())
+    no_remainder = dict(ws, inverse_beta=hi.float())
+    for misread in (unswizzled, no_remainder):
+        wrong = local(k1_operands(k1_workspace(misread)), True)
+        assert max(rel(wrong[n].float(), want[n].float()) for n in want) > 1e-3

@@ -265,8 +265,9 @@ def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout):
     for c in range(real):  # chunk by chunk, so that one bad chunk is not averaged away
         assert rel(ours[c].float(), theirs[c].float()) < 2e-2, (c, rel(ours[c].float(), theirs[c].float()))
     ref = fp64_gradients(case)["initial_state"].to("cuda")
-    ours_err, triton_err = rel(dh0, ref), rel(dh0_t, ref)
-    assert ours_err <= 1.1 * triton_err + 1e-4, (ours_err, triton_err)
+    for n in range(ref.shape[0]):  # sequence by sequence: the empty one's dh0 = dht would outweigh the rest
+        ours_err, triton_err = rel(dh0[n], ref[n]), rel(dh0_t[n], ref[n])
+        assert ours_err <= 1.1 * triton_err + 1e-4, (n, ours_err, triton_err)
 
 
 @pytest.mark.gpu

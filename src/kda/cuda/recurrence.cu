@@ -116,16 +116,6 @@ __device__ __forceinline__ void load_state(float (&St)[16][4], const Params& p, 
     }
 }
 
-// The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
-// bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in
-// round i / kStages; both sides step the stage and the round's parity instead of dividing.
-// Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
-// after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
-// lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
-// 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
-// the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
-// 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
-// 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
 // S^T Diag(gamma): key channel 8j + 2t (+1) of tile j scaled by gamma, the chunk's whole decay.
 __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2* gamma, const Lane& lane) {
   for (int j = 0; j < 16; ++j) {
@@ -137,6 +127,16 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
   }
 }
 
+// The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
+// bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in
+// round i / kStages; both sides step the stage and the round's parity instead of dividing.
+// Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
+// after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
+// lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
+// 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
+// the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
+// 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
+// 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
 template <int WARPS>
 struct Pipeline {
   static constexpr bool kLaneRelease = WARPS < 4;

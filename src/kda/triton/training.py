@@ -50,6 +50,8 @@ def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None) -
         why = "the gate is not the safe lower-bound gate (the far-row flags come from the Triton prepare stage)"
     if why is None and do.dtype != torch.bfloat16:
         why = f"do is {do.dtype} (the chain reads bf16)"
+    if why is None and do.data_ptr() % kda.cuda.ALIGNMENT:  # its rows arrive by 16-byte bulk copies
+        why = f"do is not {kda.cuda.ALIGNMENT}-byte aligned"
     if why is None and dht is not None and dht.dtype not in (torch.float32, torch.bfloat16):
         why = f"dht is {dht.dtype} (the chain reads float32 or bf16)"
     if why is not None:
