@@ -116,6 +116,23 @@ __device__ __forceinline__ void load_state(float (&St)[16][4], const Params& p, 
     }
 }
 
+// This warp's 16 columns of the stage's row-major [16 tokens, BV] tile (v, or dO for the
+// backward) as the left operand [16 columns, 16 tokens] of an MMA (ldmatrix.trans); ``rows``
+// tokens are left in the sequence, and those past its end (registers 0, 1 hold tokens 2t,
+// 2t + 1; 2, 3 tokens 2t + 8, 2t + 9) are masked to zero: their rows hold stale bytes.
+template <int WARPS>
+__device__ __forceinline__ void token_tile_operand(uint32_t (&a)[4], const unsigned char* tile, int warp,
+                                                   const Lane& lane, int64_t rows) {
+  const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
+  ldmatrix_x4_trans(a, tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
+  if (rows < kChunk) {
+    for (int r = 0; r < 4; ++r) {
+      const int token = 2 * lane.t + 8 * (r / 2);
+      a[r] &= (token < rows ? 0x0000ffffu : 0u) | (token + 1 < rows ? 0xffff0000u : 0u);
+    }
+  }
+}
+
 // S^T Diag(gamma): key channel 8j + 2t (+1) of tile j scaled by gamma, the chunk's whole decay.
 __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2* gamma, const Lane& lane) {
   for (int j = 0; j < 16; ++j) {
@@ -239,14 +256,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     // ldmatrix.trans.
     float VB[2][4] = {};
     uint32_t aV[4];
-    ldmatrix_x4_trans(aV, v_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
-    const int64_t rows = eos - bos - i * kChunk;
-    if (rows < kChunk) {  // the tail: tokens 2t, 2t + 1 (registers 0, 1) and 2t + 8, 2t + 9 (2, 3)
-      for (int r = 0; r < 4; ++r) {
-        const int token = 2 * lane.t + 8 * (r / 2);
-        aV[r] &= (token < rows ? 0x0000ffffu : 0u) | (token + 1 < rows ? 0xffff0000u : 0u);
-      }
-    }
+    token_tile_operand<WARPS>(aV, v_tile, warp, lane, eos - bos - i * kChunk);
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
@@ -333,7 +343,7 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
   const Lane lane;
   const int warp = threadIdx.x / 32;
   const ChainSlice<WARPS> cs(p, warp);
-  const int64_t h = cs.h, bos = cs.bos, eos = cs.eos, c_first = cs.c_first, num_chunks = cs.num_chunks;
+  const int64_t h = cs.h, c_first = cs.c_first, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
 
   float dSt[16][4];  // dS^T rows v_warp..+15; tile j holds key channels 8j..8j+7
@@ -369,16 +379,9 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
     const unsigned char* do_tile = st + kWorkspaceBytes;
     const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
 
-    // dO^T from the row-major dO tile by ldmatrix.trans (K2's V^T); tail tokens masked out.
+    // dO^T, as K2's V^T.
     uint32_t aO[4];
-    ldmatrix_x4_trans(aO, do_tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
-    const int64_t rows = eos - bos - c * kChunk;
-    if (rows < kChunk) {
-      for (int r = 0; r < 4; ++r) {
-        const int token = 2 * lane.t + 8 * (r / 2);
-        aO[r] &= (token < rows ? 0x0000ffffu : 0u) | (token + 1 < rows ? 0xffff0000u : 0u);
-      }
-    }
+    token_tile_operand<WARPS>(aO, do_tile, warp, lane, cs.eos - cs.bos - c * kChunk);
     // dO^T M: M row-major [16 j, 16 i] is the right operand as stored (ldmatrix.trans, as K2's
     // k_restored), off the serial chain.
     float D[2][4] = {};
