@@ -232,11 +232,14 @@ def test_gpu_compile_fullgraph_with_grad_runs_the_cuda_forward():
 @pytest.mark.gpu
 @cuda_ready
 @pytest.mark.parametrize("layout", [False, True])
-def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout):
+@pytest.mark.parametrize("gate_shift", [0.0, -6.0])
+def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout, gate_shift):
     """kda.cuda.training.state_grad_chain (K1's workspace, recurrence.cu's chain) beside Triton's
     chain on the same bf16 inputs: every real chunk's dS written (NaN poison; spare table slots
     untouched) and close to Triton's; the initial state's gradient (an empty and a one-token
-    sequence among others) against fp64 autograd of the token loop within 10% of Triton's error."""
+    sequence among others) against fp64 autograd of the token loop within 10% of Triton's error.
+    The raw gate as drawn decays the state by about exp(-40) a chunk; lowered by 6 (gate_shift)
+    it carries dS across chunks, so that gamma's part of the step shows too."""
     from helpers import fp64_gradients
     from kda.cuda.training import state_grad_chain as cuda_chain
     from kda.tables import chunk_tables
@@ -245,6 +248,7 @@ def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout):
 
     case = make_case(seq_lens=[300, 1, 0, 129], H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda",
                      state_v_first=layout, seed=21)  # fmt: skip
+    case.g = case.g + gate_shift
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     gen = torch.Generator().manual_seed(0)  # helpers.gradients' draws: fp64_gradients uses the same dO, dht
     do = torch.randn(p.v.shape, generator=gen, dtype=torch.float64).to("cuda", torch.bfloat16)
