@@ -59,5 +59,23 @@ assert checkpoints[rows:].isnan().all(), "a checkpoint write past the real rows"
 # (both round the state to bf16 operands, in different orders: tests/test_backward.py's bar)
 apart = relative_rms(checkpoints[:rows].cpu(), triton_checkpoints[:rows].cpu())
 assert apart < 1e-2, f"K2's checkpoints {apart:.2e} from Triton's"
-print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e} from Triton's")
+from kda.cuda.training import state_grad_chain  # noqa: E402
+from kda.triton.prepare import prepare_chunks  # noqa: E402
+from kda.triton.state_grad import state_grad_chain as triton_chain  # noqa: E402
+
+tables = chunk_tables(p)
+real = int(tables.chunk_offsets[-1])
+do = torch.randn(p.v.shape, device="cuda").to(torch.bfloat16)
+dht = torch.randn(p.state_shape, device="cuda")
+ours = torch.full((tables.num_chunks, p.H, p.V, p.K), float("nan"), dtype=torch.bfloat16, device="cuda")
+theirs = torch.full_like(ours, float("nan"))
+dh0, dh0_t = torch.full_like(dht, float("nan")), torch.empty_like(dht)
+state_grad_chain(p, do, dht, dh0, ours)
+triton_chain(p, tables, prepare_chunks(p, tables, torch.bfloat16, "tf32"), do, dht, dh0_t, theirs, True, "tf32")
+torch.cuda.synchronize()
+assert ours[real:].isnan().all(), "a chain write past the real chunks"
+chain_apart = max(relative_rms(ours[:real].float().cpu(), theirs[:real].float().cpu()),
+                  relative_rms(dh0.cpu(), dh0_t.cpu()))  # fmt: skip
+assert chain_apart < 2e-2, f"the CUDA chain {chain_apart:.2e} from Triton's"
+print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e} from Triton's")
 sys.exit(0 if worst <= 5e-3 else 1)

@@ -63,7 +63,8 @@ if [[ $step == *wheel* ]]; then
 print('nvcc on PATH:', shutil.which('nvcc'), '| kda from', kda.__file__, '| cuda:', kda.cuda.BACKEND.availability() or 'ready')")
 fi
 if [[ $step == all || $step == *sanitize* ]]; then
-  export PYTHONPATH=/tmp/kda-install:/tmp/site
+  # (the install of a `cuda` or `wheel` step; carried kernels keep the tree's src on the path)
+  [[ -d /tmp/kda-install ]] && export PYTHONPATH=/tmp/kda-install:/tmp/site
   # --report-api-errors no: cuda-bindings probes driver entry points it may lack through
   # cuGetProcAddress at cuInit (34 host-side INVALID_VALUE results, run 1); kernel errors still count.
   for tool in memcheck racecheck; do
@@ -111,7 +112,7 @@ if [[ $step == *profile* ]]; then
   fi
 fi
 if [[ $step == *trainprof* ]]; then  # the training kernels alone: split, configs, registers; ncu of the two local-gradient kernels
-  timeout 200 python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} > "$OUT/train-profile.log" 2>&1; cat "$OUT/train-profile.log" | tail -40
+  timeout ${TRAINPROF_TIMEOUT:-200} python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ${TRAINPROF_ARGS:-} > "$OUT/train-profile.log" 2>&1; cat "$OUT/train-profile.log" | tail -40
   if [[ ${TRAINPROF_NCU:-1} == 1 ]]; then
     timeout ${NCU_TIMEOUT:-200} ncu --launch-skip 1 --launch-count 2 -k regex:"chunk_state_grads|chunk_input_grads" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
@@ -146,8 +147,8 @@ if [[ $step == *decodeprof* ]]; then  # ncu of decode configurations: DECODE_PRO
   for cfg in ${DECODE_PROFILES:-cuda,bfloat16,plain,256}; do
     timeout 120 ncu --kernel-name regex:"kda_decode|decode_kernel" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-      --section LaunchStats --section MemoryWorkloadAnalysis python3 benchmarks/decode_profile.py ${cfg//,/ } \
-      > "$OUT/ncu-decode-${cfg//,/-}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Issued Ipc|No Eligible|Stall|One or More|Warp Cycles Per Issued|Theoretical Occ|Block Limit" "$OUT/ncu-decode-${cfg//,/-}.log" | head -40
+      --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats python3 benchmarks/decode_profile.py ${cfg//,/ } \
+      > "$OUT/ncu-decode-${cfg//,/-}.log" 2>&1; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Issued Ipc|No Eligible|Stall|One or More|Warp Cycles Per Issued|Theoretical Occ|Block Limit|Executed Instructions" "$OUT/ncu-decode-${cfg//,/-}.log" | head -40
   done
 fi
 if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)

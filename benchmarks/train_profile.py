@@ -1,9 +1,11 @@
 """The training step's Triton kernels on one case, kda alone: per-kernel GPU time, each
 autotuned kernel's chosen config, and the registers and spills ptxas gave every compiled
 variant (Triton's CompiledKernel.n_regs / n_spills, on the device's own Triton).
-Usage: train_profile.py [CASE_INDEX] [ncu] [slice=N]; with ``ncu`` it only runs three steps after a
-warm-up (for ``ncu --launch-skip``); ``slice=N`` sets chunk_grad.INPUT_GRAD_SLICE (K columns per
-slice of the input-gradient kernel) first, to compare widths in one process."""
+Usage: train_profile.py [CASE_INDEX] [ncu] [slice=N] [impl=NAME] [chain]; with ``ncu`` it only runs
+three steps after a warm-up (for ``ncu --launch-skip``); ``slice=N`` sets chunk_grad.INPUT_GRAD_SLICE
+(K columns per slice of the input-gradient kernel) first, to compare widths in one process;
+``impl`` picks the contender (kda-triton, the default, or kda-cuda); ``chain`` (with kda-cuda) times
+the step with ``kda.cuda.BACKWARD_CHAIN`` off and on, alternately, in this process."""
 
 import sys
 
@@ -18,7 +20,8 @@ for arg in sys.argv[2:]:
         print("INPUT_GRAD_SLICE", chunk_grad.INPUT_GRAD_SLICE)
 case = bench.TRAIN_CASES[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
 tensors, kw = bench.make_inputs(case)
-call = bench.train_contenders()["kda-triton"]
+impl = next((a.partition("=")[2] for a in sys.argv[2:] if a.startswith("impl=")), "kda-triton")
+call = bench.train_contenders()[impl]
 leaves, kw_i, grad_leaves, grads_out = bench.train_inputs(tensors, kw)
 
 
@@ -35,7 +38,21 @@ if "ncu" in sys.argv[2:]:
         step()
     torch.cuda.synchronize()
     sys.exit(0)
-print(case["name"], {k: round(v, 4) for k, v in bench.kernel_times(step, iters=10).items()})
+if "chain" in sys.argv[2:]:  # the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN) against the Triton stages
+    import triton.testing
+
+    import kda.cuda
+
+    for round_ in range(2):
+        for on in (False, True):
+            kda.cuda.BACKWARD_CHAIN = on
+            step()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(step, warmup=25, rep=200)
+            split = {k: round(v, 4) for k, v in bench.kernel_times(step, iters=10).items()}
+            print(f"round {round_} cuda chain {'on ' if on else 'off'}: step {ms:.3f} ms", split)
+    kda.cuda.BACKWARD_CHAIN = False
+print(case["name"], impl, {k: round(v, 4) for k, v in bench.kernel_times(step, iters=10).items()})
 for module in (prepare, recurrence, state_grad, chunk_grad):
     for name in dir(module):
         kernel = getattr(module, name)
