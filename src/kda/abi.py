@@ -118,8 +118,8 @@ DECODE_PARAMS = (
 )
 DECODE_THREADS = 128  # threads of a decode CTA (one per K index in the token prologue)
 # V columns of a decode CTA (one entry point each and state dtype): the state slice [128, BV]
-# it stages in shared memory, BV x 128 x (4 or 2) bytes.
-DECODE_COLUMNS = (32, 64)
+# it stages in shared memory, BV x 128 x (4 or 2) bytes (128: the whole head).
+DECODE_COLUMNS = (32, 64, 128)
 DECODE_STATE_DTYPES = ("float32", "bfloat16")
 
 

@@ -107,7 +107,9 @@ struct Ownership {
 // The entry points declare it, so that registers never hold fewer CTAs than shared memory.
 // With the per-token buffers single (2026-12-02): float32 64 columns 6 CTAs (78 registers; [V, K]
 // 5, as before), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the copy
-// bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md).
+// bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md). Whole heads (128 columns, 2026-12-02):
+// bf16 [K, V] 5 CTAs (95 registers), float32 [K, V] 3; bf16 runs there (run 39: 0.92 of the copy
+// bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64.
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
   return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV);
@@ -115,8 +117,9 @@ constexpr int decode_shared_bytes() {
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
   const int ctas = (228 * 1024) / (decode_shared_bytes<E, BV>() + 1024);
-  // [V, K] float32 64 columns: 91 registers unbounded, so five (at six it spilled 16 B)
-  const int most = !VFirst ? 10 : (sizeof(E) == 4 && BV == 64) ? 5 : 6;
+  // [V, K] float32 64 columns: 91 registers unbounded, so five (at six it spilled 16 B); [V, K]
+  // 128 columns: four (bf16 spilled 20 B at five; float32 holds three by its shared memory)
+  const int most = !VFirst ? 10 : BV == 128 ? 4 : (sizeof(E) == 4 && BV == 64) ? 5 : 6;
   return ctas < most ? ctas : most;
 }
 
@@ -344,9 +347,13 @@ KDA_DECODE_ENTRY(kda_decode_f32_kv_c32, float, false, 32)
 KDA_DECODE_ENTRY(kda_decode_f32_kv_c64, float, false, 64)
 KDA_DECODE_ENTRY(kda_decode_f32_vk_c32, float, true, 32)
 KDA_DECODE_ENTRY(kda_decode_f32_vk_c64, float, true, 64)
+KDA_DECODE_ENTRY(kda_decode_f32_kv_c128, float, false, 128)
+KDA_DECODE_ENTRY(kda_decode_f32_vk_c128, float, true, 128)
 KDA_DECODE_ENTRY(kda_decode_bf16_kv_c32, __nv_bfloat16, false, 32)
 KDA_DECODE_ENTRY(kda_decode_bf16_kv_c64, __nv_bfloat16, false, 64)
 KDA_DECODE_ENTRY(kda_decode_bf16_vk_c32, __nv_bfloat16, true, 32)
 KDA_DECODE_ENTRY(kda_decode_bf16_vk_c64, __nv_bfloat16, true, 64)
+KDA_DECODE_ENTRY(kda_decode_bf16_kv_c128, __nv_bfloat16, false, 128)
+KDA_DECODE_ENTRY(kda_decode_bf16_vk_c128, __nv_bfloat16, true, 128)
 
 }  // namespace kda

@@ -33,9 +33,15 @@ STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # N=256 0.271 / 0.280 / 0.317; bf16 plain N=32 0.0306 / 0.0352 / 0.0387, N=256 0.159 / 0.209 /
 # 0.263 (pools 0.0312 / 0.0341 / 0.0325, 0.164 / 0.205 / 0.197). Below 1024 pairs (N=1) Triton's
 # one-program latency is lower (8.2 us against 8.5 to 9.6). 64 columns win from N=256 on for
-# both dtypes and at N=32 for bf16; float32 grids of fewer than SMALL_GRID_PAIRS pairs take 32
-# (at N=32, 4096 CTAs of 32 columns fill the SMs' six-CTA waves better than 2048 of 64).
-DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 64}
+# float32; float32 grids of fewer than SMALL_GRID_PAIRS pairs take 32 (at N=32, 4096 CTAs of 32
+# columns fill the SMs' six-CTA waves better than 2048 of 64). bf16 states take whole heads, 128
+# columns (run 39, results/h200-2026-12-02-decode-run39.md, graph ms at 64 / 128 columns): plain
+# N=32 0.0303 / 0.0303, N=256 0.158 / 0.153, N=1024 0.581 / 0.549 (0.87 -> 0.92 of the copy
+# bandwidth); pools 0.0310 / 0.0310, 0.163 / 0.158, 0.613 / 0.569. A thread's fixed work a token
+# (its K index's prologue, the sums over K across warps: about half of its 1445 instructions at
+# 64 columns, ncu and SASS of run 38) is then shared by twice the state bytes. float32 at 128
+# columns holds three CTAs an SM by shared memory and is slower at every N.
+DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 128}
 SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
                   ("float32", False): 1024}  # fmt: skip
