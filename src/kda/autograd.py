@@ -122,10 +122,11 @@ def chunk_bwd(
     initial_state: Tensor | None, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
     lower_bound: float | None, output_final_state: bool, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, safe_gate: bool, state_v_first: bool, final_state_dtype: torch.dtype,
-    checkpoints: Tensor, do: Tensor, dht: Tensor | None,
+    checkpoints: Tensor, do: Tensor, dht: Tensor | None, use_cuda: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` on Triton; an empty tensor for each of
-    the last three whose input is absent."""
+    """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` on Triton (after a forward on the CUDA
+    path, ``use_cuda``, the reverse chain may run there: kda.triton.training.cuda_chain_refusal);
+    an empty tensor for each of the last three whose input is absent."""
     from kda.triton.training import backward
 
     p = _problem(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, lower_bound,
@@ -134,7 +135,7 @@ def chunk_bwd(
     dispatch.log_once("chunk_kda backward -> triton")
     dispatch.note("chunk_kda backward -> triton")
     with dispatch.on_device_of(q):  # autograd's device threads set it too; a direct call may not
-        grads = backward(p, do, dht, checkpoints)
+        grads = backward(p, do, dht, checkpoints, use_cuda)
     return (
         grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"],  # outputs may not alias: one empty each
         *(q.new_empty(0) if grads.get(name) is None else grads[name] for name in ("A_log", "dt_bias", "initial_state")),
@@ -155,6 +156,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*tensors, output[2])
     ctx.scalars = inputs[10:PROBLEM_ARGS]
     ctx.has_initial_state = inputs[7] is not None
+    ctx.use_cuda = bool(inputs[PROBLEM_ARGS + 1]) if len(inputs) > PROBLEM_ARGS + 1 else False
     ctx.set_materialize_grads(False)
 
 
@@ -165,7 +167,8 @@ def _backward(ctx, do, dht, _dcheckpoints):
         do = torch.zeros(q.shape[:2] + tensors[2].shape[2:], dtype=q.dtype, device=q.device)
     if dht is not None and dht.numel() == 0:
         dht = None
-    grads = chunk_bwd(*tensors, *ctx.scalars, checkpoints, do.contiguous(), None if dht is None else dht.contiguous())
+    dht = None if dht is None else dht.contiguous()
+    grads = chunk_bwd(*tensors, *ctx.scalars, checkpoints, do.contiguous(), dht, ctx.use_cuda)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     A_log, dt_bias = tensors[5], tensors[6]
     return (
@@ -183,6 +186,7 @@ chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 def chunk_kda_trainable(p: Problem, use_cuda: bool = False) -> tuple[Tensor, Tensor | None]:
     """Run ``p`` through :func:`chunk_fwd` (the autograd-aware path, and the one torch.compile
     traces): ``(o, final_state or None)``. ``use_cuda``: the forward on the CUDA path (which
-    saves the checkpoints when ``p`` requires grad); the backward always runs on Triton."""
+    saves the checkpoints when ``p`` requires grad); the backward runs on Triton, its reverse
+    chain on the CUDA path after a CUDA forward (kda.triton.training.cuda_chain_refusal)."""
     o, ht, _ = chunk_fwd(*_problem_args(p), p.requires_grad, use_cuda)
     return o, (ht if p.output_final_state else None)

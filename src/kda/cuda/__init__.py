@@ -7,14 +7,15 @@ varlen and batched, float32 or bfloat16 states in either layout (carried in floa
 sm_90 GPUs. Decode shapes (``dispatch.prefers_decode``) and state pools run the decode kernel
 of ``decode.cu`` instead (:mod:`kda.cuda.decode`), which also takes grouped value heads.
 Anything else is refused with the reason and ``backend="auto"`` moves on to Triton. A call
-that trains runs its forward here (K2 also writing the state checkpoints) and its backward on
-Triton (:mod:`kda.autograd`).
+that trains runs its forward here (K2 also writing the state checkpoints), and its backward's
+reverse chain here too where the gate is the safe lower-bound one (:mod:`kda.cuda.training`: K1
+and the chain on K1's workspace); the backward's local gradients run on Triton
+(:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
-(``forward.recurrence_warps``); ``KDA_CUDA_BACKWARD_CHAIN=1`` (experimental, off by default:
-not yet run on a GPU) runs a training backward's reverse chain here on K1's workspace
-(:mod:`kda.cuda.training`) and the Triton local-gradient kernels on that workspace. All are read
-once, at import (:func:`read_switches`).
+(``forward.recurrence_warps``); ``KDA_CUDA_BACKWARD_CHAIN=0`` keeps a training backward's reverse
+chain on Triton (its prepare stage and chain) after a forward here. All are read once, at import
+(:func:`read_switches`).
 
 On an H200 (``benchmarks/NOTES.md``, 2026-12-02, runs 30-37) the kernels passed the whole suite
 (run 34) and compute-sanitizer memcheck and racecheck (run 37); racecheck reports the 4-warp
@@ -36,7 +37,11 @@ ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
 READ_DTYPES = (torch.bfloat16, torch.float32)  # of g and beta
 TURNED_OFF = False  # KDA_CUDA=0
 WARPS_OVERRIDE: str | None = None  # KDA_CUDA_WARPS, checked where it is used
-BACKWARD_CHAIN = False  # KDA_CUDA_BACKWARD_CHAIN=1
+# The CUDA reverse chain after a CUDA forward (KDA_CUDA_BACKWARD_CHAIN=0: off). On an H200
+# (2026-12-02, runs 38-39, 1x8192 H32, bf16) K1 and the chain take 0.16 + 0.45 ms where the
+# Triton prepare stage and chain took 0.29 + 0.55: the step 4.59 -> 4.40 ms, every gradient's
+# error against fp64 as on Triton's chain to three digits (results/h200-2026-12-02-train-run39-*).
+BACKWARD_CHAIN = True
 
 
 def read_switches() -> None:
@@ -47,7 +52,7 @@ def read_switches() -> None:
     global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
-    BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") == "1"
+    BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
 
 
 read_switches()

@@ -35,15 +35,18 @@ def train_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None, torch.
     return o, ht, checkpoints
 
 
-def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None) -> str | None:
-    """Why the backward of ``p`` does not run its reverse chain on the CUDA path, or None:
-    ``KDA_CUDA_BACKWARD_CHAIN=1`` asks for it (experimental, off by default) and the CUDA backend
-    takes ``p`` (bf16, K = V = 128, H = HV) with the safe lower-bound gate, a bf16 ``do`` and a
-    float32 or bf16 ``dht``."""
+def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, cuda_forward: bool = True) -> str | None:
+    """Why the backward of ``p`` does not run its reverse chain on the CUDA path, or None: it
+    does after a forward on the CUDA path (``cuda_forward``) unless ``KDA_CUDA_BACKWARD_CHAIN=0``,
+    where the CUDA backend takes ``p`` (bf16, K = V = 128, H = HV) with the safe lower-bound
+    gate, a bf16 ``do`` and a float32 or bf16 ``dht``. (A call on ``backend="triton"`` stays on
+    Triton forward and backward.)"""
     import kda.cuda
 
+    if not cuda_forward:
+        return "the forward ran on Triton"
     if not kda.cuda.BACKWARD_CHAIN:
-        return "KDA_CUDA_BACKWARD_CHAIN is not 1"
+        return "KDA_CUDA_BACKWARD_CHAIN=0"
     backend = kda.cuda.BACKEND
     why = backend.availability() or backend.rejects(p) or kda.cuda.misaligned(p)
     if why is None and not safe_gate_path(p):
@@ -60,12 +63,13 @@ def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None) -
 
 
 def backward(
-    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, checkpoints: torch.Tensor
+    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, checkpoints: torch.Tensor, cuda_forward: bool = False
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of every differentiable input of ``p`` for the output gradient ``do`` and the
     final-state gradient ``dht`` (None: zero): a dict keyed by input name (q, k, v, g, beta,
     A_log, dt_bias, initial_state), each in its input's shape and dtype, or None where the
-    input is absent."""
+    input is absent. ``cuda_forward``: the forward ran on the CUDA path, so the reverse chain
+    may too (:func:`cuda_chain_refusal`)."""
     workspace_dtype, dot_precision, mixed = precision_for(p.q.dtype)
     tables = chunk_tables(p)
     grads: dict[str, torch.Tensor | None] = {
@@ -87,14 +91,12 @@ def backward(
     dh0 = None if h0 is None else torch.empty(h0.shape, dtype=torch.float32, device=h0.device)
     if p.N * HV:
         dstates = p.q.new_empty(NC, HV, p.V, p.K, dtype=workspace_dtype)
-        k1_layout = cuda_chain_refusal(p, do, dht) is None
-        if k1_layout:  # K1 and the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN)
+        k1_layout = cuda_chain_refusal(p, do, dht, cuda_forward) is None
+        if k1_layout:  # K1 and the CUDA reverse chain
             from kda.cuda.training import k1_operands
             from kda.cuda.training import state_grad_chain as cuda_state_grad_chain
 
-            log_once(
-                "chunk_kda backward: K1 and the reverse chain on cuda (KDA_CUDA_BACKWARD_CHAIN), the rest on triton"
-            )
+            log_once("chunk_kda backward: K1 and the reverse chain on cuda, the rest on triton")
             ws = k1_operands(cuda_state_grad_chain(p, do, dht, dh0, dstates, tables))
         else:
             ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
