@@ -5,7 +5,8 @@ Usage: train_profile.py [CASE_INDEX] [ncu] [slice=N] [impl=NAME] [chain]; with `
 three steps after a warm-up (for ``ncu --launch-skip``); ``slice=N`` sets chunk_grad.INPUT_GRAD_SLICE
 (K columns per slice of the input-gradient kernel) first, to compare widths in one process;
 ``impl`` picks the contender (kda-triton, the default, or kda-cuda); ``chain`` (with kda-cuda) times
-the step with ``kda.cuda.BACKWARD_CHAIN`` off and on, alternately, in this process."""
+the step with ``kda.cuda.BACKWARD_CHAIN`` off and on, alternately, in this process; ``chainwidth``
+(with kda-cuda) with the CUDA chain at each CTA width."""
 
 import sys
 
@@ -38,20 +39,34 @@ if "ncu" in sys.argv[2:]:
         step()
     torch.cuda.synchronize()
     sys.exit(0)
-if "chain" in sys.argv[2:]:  # the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN) against the Triton stages
+
+
+def alternate(module, name: str, values: tuple) -> None:
+    """The step timed with ``module.name`` set to each of ``values`` in turn, two rounds, then
+    restored."""
     import triton.testing
 
-    import kda.cuda
-
+    kept = getattr(module, name)
     for round_ in range(2):
-        for on in (False, True):
-            kda.cuda.BACKWARD_CHAIN = on
+        for value in values:
+            setattr(module, name, value)
             step()
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(step, warmup=25, rep=200)
             split = {k: round(v, 4) for k, v in bench.kernel_times(step, iters=10).items()}
-            print(f"round {round_} cuda chain {'on ' if on else 'off'}: step {ms:.3f} ms", split)
-    kda.cuda.BACKWARD_CHAIN = False
+            print(f"round {round_} {name} = {value}: step {ms:.3f} ms", split)
+    setattr(module, name, kept)
+
+
+if "chain" in sys.argv[2:]:  # the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN) against the Triton stages
+    import kda.cuda
+
+    alternate(kda.cuda, "BACKWARD_CHAIN", (False, True))
+if "chainwidth" in sys.argv[2:]:  # the CUDA chain's CTA width (consumer warps, abi.CHAIN_WIDTHS)
+    from kda import abi
+    from kda.cuda import training
+
+    alternate(training, "CHAIN_WARPS", abi.CHAIN_WIDTHS)
 print(case["name"], impl, {k: round(v, 4) for k, v in bench.kernel_times(step, iters=10).items()})
 for module in (prepare, recurrence, state_grad, chunk_grad):
     for name in dir(module):
