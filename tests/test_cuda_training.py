@@ -75,7 +75,7 @@ def test_backward_asks_for_the_cuda_chain_only_after_a_cuda_forward(cuda_stand_i
     asked = []
     real = training.cuda_chain_refusal
 
-    def spy(p, do, dht, cuda_forward=True):
+    def spy(p, do, dht, cuda_forward=False):
         asked.append(cuda_forward)
         return "spied"  # the chain's kernels have no stand-in: Triton's run
 
@@ -85,11 +85,12 @@ def test_backward_asks_for_the_cuda_chain_only_after_a_cuda_forward(cuda_stand_i
         gradients(case, "triton")
     assert asked == [True, False], asked
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
-    assert real(p, case.v, None, cuda_forward=False) == "the forward ran on Triton"
+    assert real(p, case.v, None) == "the forward ran on Triton"  # (the default: a caller must say)
     with mock.patch.object(kda.cuda, "BACKWARD_CHAIN", False):
-        assert real(p, case.v, None) == "KDA_CUDA_BACKWARD_CHAIN=0"
+        assert real(p, case.v, None, cuda_forward=True) == "KDA_CUDA_BACKWARD_CHAIN=0"
     with mock.patch.object(kda.cuda, "BACKWARD_CHAIN", True):  # then the backend's own checks (as on an H200 here)
-        assert real(p, case.v.to(torch.float16), None) == "do is torch.float16 (the chain reads bf16)"
+        got = real(p, case.v.to(torch.float16), None, cuda_forward=True)
+        assert got == "do is torch.float16 (the chain reads bf16)", got
 
 
 def test_grad_calls_cuda_cannot_run_are_still_refused(cuda_stand_in):

@@ -14,7 +14,8 @@ no backend takes the call. ``FLA_KDA=0`` turns kda off (read by fla at each call
 What kda takes:
 
 - ``fla.ops.kda.chunk_kda``: every call kda's own checks accept (training calls too: their
-  gradients come from kda's Triton backward), except calls on a GPU that kda could only run
+  gradients come from kda's backward: Triton's kernels, and after a CUDA forward with the safe
+  gate K1 and the CUDA reverse chain), except calls on a GPU that kda could only run
   on its torch reference (fla's kernels are faster there) and fla's features kda does not have
   (``return_intermediate_states``, a zigzag ``cp_context``): those fall through to fla. A
   contiguous ``cp_context`` runs kda's context parallelism.

@@ -150,7 +150,8 @@ class CudaBackend:
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Under compile a custom op (dynamo cannot trace the cuda-python launch); with grad the
-        # same op, whose forward here saves the checkpoints and whose backward is Triton's.
+        # same op, whose forward here saves the checkpoints and whose backward is Triton's (with
+        # K1 and the CUDA reverse chain for the safe gate: kda.triton.training.cuda_chain_refusal).
         if p.requires_grad or torch.compiler.is_compiling():
             from kda.autograd import chunk_kda_trainable
 

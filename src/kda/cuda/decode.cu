@@ -6,7 +6,7 @@
 // A decode step is a copy of the states with a little arithmetic: it runs at the rate of the
 // state bytes it keeps in flight and of the shared-memory and issue slots it spends per
 // element. The slice arrives by cp.async into shared memory, so the bytes in flight hold no
-// registers (ten 16 KB slices an SM). Each thread owns 16-byte runs of the slice, contiguous in
+// registers (ten 16 KB bf16 slices an SM at 64 columns, five 32 KB heads at 128). Each thread owns 16-byte runs of the slice, contiguous in
 // memory and adjacent across a warp for either layout: it copies them itself (so it waits for
 // its own copies only, with no barrier) and reads and writes them with 16-byte accesses; the
 // token's per-K vectors (decay d, k, d k, d q) are one 16-byte broadcast read a run.
@@ -102,8 +102,8 @@ struct Ownership {
 };
 
 // Shared memory of a CTA (decode_slice's arrays) and the CTAs an SM then holds (228 KB, 1 KB of
-// it reserved per CTA), at most 10 for [K, V] states and 6 for [V, K] ones (whose sums over K
-// take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
+// it reserved per CTA), at most 10 for [K, V] states and 4 to 6 for [V, K] ones (whose sums over
+// K take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
 // The entry points declare it, so that registers never hold fewer CTAs than shared memory.
 // With the per-token buffers single (2026-12-02): float32 64 columns 6 CTAs (78 registers; [V, K]
 // 5, as before), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the copy

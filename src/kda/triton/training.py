@@ -35,7 +35,9 @@ def train_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None, torch.
     return o, ht, checkpoints
 
 
-def cuda_chain_refusal(p: Problem, do: torch.Tensor, dht: torch.Tensor | None, cuda_forward: bool = True) -> str | None:
+def cuda_chain_refusal(
+    p: Problem, do: torch.Tensor, dht: torch.Tensor | None, cuda_forward: bool = False
+) -> str | None:
     """Why the backward of ``p`` does not run its reverse chain on the CUDA path, or None: it
     does after a forward on the CUDA path (``cuda_forward``) unless ``KDA_CUDA_BACKWARD_CHAIN=0``,
     where the CUDA backend takes ``p`` (bf16, K = V = 128, H = HV) with the safe lower-bound
