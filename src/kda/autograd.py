@@ -156,7 +156,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*tensors, output[2])
     ctx.scalars = inputs[10:PROBLEM_ARGS]
     ctx.has_initial_state = inputs[7] is not None
-    ctx.use_cuda = bool(inputs[PROBLEM_ARGS + 1]) if len(inputs) > PROBLEM_ARGS + 1 else False
+    ctx.use_cuda = bool(inputs[PROBLEM_ARGS + 1])  # (torch passes defaulted arguments too)
     ctx.set_materialize_grads(False)
 
 
