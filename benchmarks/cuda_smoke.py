@@ -2,7 +2,8 @@
 a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states; then
 the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
 one token, bfloat16); then the training forward's K2 with its checkpoints (the sequences cross
-checkpoint rows), checked against the Triton forward's. Exits non-zero on a wrong answer."""
+checkpoint rows), checked against the Triton forward's; then the backward's CUDA reverse chain and
+state products against Triton's. Exits non-zero on a wrong answer."""
 
 import sys
 
@@ -74,8 +75,26 @@ state_grad_chain(p, do, dht, dh0, ours)
 triton_chain(p, tables, prepare_chunks(p, tables, torch.bfloat16, "tf32"), do, dht, dh0_t, theirs, True, "tf32")
 torch.cuda.synchronize()
 assert ours[real:].isnan().all(), "a chain write past the real chunks"
-chain_apart = max(relative_rms(ours[:real].float().cpu(), theirs[:real].float().cpu()),
+from kda.cuda.training import dstates_row_major  # noqa: E402
+
+chain_apart = max(relative_rms(dstates_row_major(ours)[:real].float().cpu(), theirs[:real].float().cpu()),
                   relative_rms(dh0.cpu(), dh0_t.cpu()))  # fmt: skip
 assert chain_apart < 2e-2, f"the CUDA chain {chain_apart:.2e} from Triton's"
-print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e} from Triton's")
+from kda.cuda.training import k1_operands, product_scratch_numel, state_products  # noqa: E402
+from kda.triton.chunk_grad import state_products as triton_products  # noqa: E402
+
+workspace = state_grad_chain(p, do, dht, None, ours, tables)  # (a fresh workspace: the products read it)
+size = product_scratch_numel(tables.num_chunks, p.H)
+scratch, scratch_t = torch.full((size,), float("nan"), device="cuda"), torch.full((size,), float("nan"), device="cuda")
+dv, dv_t = torch.full_like(p.v, float("nan")), torch.full_like(p.v, float("nan"))
+state_products(p, do, checkpoints, ours, workspace, tables, scratch, dv)
+triton_products(p, tables, k1_operands(workspace), do, checkpoints, ours, True, "tf32", True, scratch_t, dv_t)
+torch.cuda.synchronize()
+assert dv.isfinite().all() and scratch.isfinite().sum() == scratch_t.isfinite().sum(), "products: a value unwritten"
+finite = scratch_t.isfinite()
+products_apart = max(relative_rms(scratch[finite].cpu(), scratch_t[finite].cpu()),
+                     relative_rms(dv.float().cpu(), dv_t.float().cpu()))  # fmt: skip
+assert products_apart < 2e-2, f"the CUDA state products {products_apart:.2e} from Triton's"
+print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e}, "
+      f"products {products_apart:.2e} from Triton's")  # fmt: skip
 sys.exit(0 if worst <= 5e-3 else 1)

@@ -6,7 +6,8 @@ three steps after a warm-up (for ``ncu --launch-skip``); ``slice=N`` sets chunk_
 (K columns per slice of the input-gradient kernel) first, to compare widths in one process;
 ``impl`` picks the contender (kda-triton, the default, or kda-cuda); ``chain`` (with kda-cuda) times
 the step with ``kda.cuda.BACKWARD_CHAIN`` off and on, alternately, in this process; ``chainwidth``
-(with kda-cuda) with the CUDA chain at each CTA width."""
+(with kda-cuda) with the CUDA chain at each CTA width; ``products`` (with kda-cuda) with
+``kda.cuda.STATE_PRODUCTS`` off and on."""
 
 import sys
 
@@ -62,6 +63,10 @@ if "chain" in sys.argv[2:]:  # the CUDA reverse chain (KDA_CUDA_BACKWARD_CHAIN) 
     import kda.cuda
 
     alternate(kda.cuda, "BACKWARD_CHAIN", (False, True))
+if "products" in sys.argv[2:]:  # the CUDA state products (KDA_CUDA_STATE_PRODUCTS) against the Triton kernels
+    import kda.cuda
+
+    alternate(kda.cuda, "STATE_PRODUCTS", (False, True))
 if "chainwidth" in sys.argv[2:]:  # the CUDA chain's CTA width (consumer warps, abi.CHAIN_WIDTHS)
     from kda import abi
     from kda.cuda import training

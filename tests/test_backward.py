@@ -403,8 +403,8 @@ def test_gpu_cuda_training_forward_writes_the_checkpoints_triton_does(layout):
 @cuda_ready
 def test_gpu_cuda_trains_forward_on_cuda_backward_on_triton():
     """backend="cuda" (and auto) with grads: the forward runs K1 and K2 (saving checkpoints),
-    the backward K1 and the CUDA reverse chain (the safe gate), then Triton's local-gradient
-    kernels; backend="triton" runs no CUDA kernel; the log says so; every gradient (bf16 inputs,
+    the backward K1, the CUDA reverse chain and state products (the safe gate), then Triton's
+    prepare-backwards kernel; backend="triton" runs no CUDA kernel; the log says so; every gradient (bf16 inputs,
     varlen, a gradient into the final state) as close to fp64 as the Triton-only path's, within
     25% (K1's M is bf16 where Triton's prepare stage keeps float32: on the H200, run 39, each
     gradient's error moved by under 1% on 1024 tokens, H32)."""
@@ -415,7 +415,7 @@ def test_gpu_cuda_trains_forward_on_cuda_backward_on_triton():
     assert not [e for e in events if e.startswith("cuda")], events
     expected = ["chunk_kda -> cuda (forward on cuda with checkpoints, backward on triton)", "cuda:prepare",
                 "cuda:recurrence", "chunk_kda backward -> triton", "cuda:prepare", "cuda:state_grad_chain",
-                "triton:chunk_grads"]  # fmt: skip
+                "cuda:state_products", "triton:chunk_grads"]  # fmt: skip
     with kda.record_dispatch() as events:
         ours = gradients(case, "cuda")
     assert events == expected, events
@@ -467,12 +467,13 @@ def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_local_gradient_kernels_read_k1s_workspace():
     """chunk_grads on K1's workspace (K1_LAYOUT: the CUDA reverse chain's backward, read through
     kda.cuda.training.k1_operands) gives the gradients it gives on the Triton prepare stage's
-    workspace holding the same values (M rounded to bf16, inverse_beta as its two bf16 parts);
+    workspace holding the same values (M rounded to bf16, inverse_beta as its two bf16 parts,
+    dS with its rows swizzled as the CUDA chain writes them);
     on the unrounded workspace it differs by M's bf16 rounding (printed); a misread field (the
     unswizzled tiles, or inverse_beta without its remainder) is far off."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed (kda.cuda.loader)")
     from kda.cuda.loader import swizzle_tiles
-    from kda.cuda.training import k1_operands
+    from kda.cuda.training import dstates_row_major, k1_operands
     from kda.tables import chunk_tables
     from kda.triton import precision_for
     from kda.triton.chunk_grad import chunk_grads, input_grad_slices
@@ -498,7 +499,9 @@ def test_local_gradient_kernels_read_k1s_workspace():
         slices = input_grad_slices(p.K, tables.BK)
         grads |= dict(A_log=p.q.new_zeros(tables.num_chunks, p.HV, slices, dtype=torch.float32))
         grads |= dict(dt_bias=p.q.new_zeros(tables.num_chunks, p.HV, p.K, dtype=torch.float32))
-        chunk_grads(p, tables, workspace, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout)
+        # K1's layout goes with the CUDA chain's dS, rows swizzled (the swizzle is its own inverse)
+        ds = dstates_row_major(dstates) if k1_layout else dstates
+        chunk_grads(p, tables, workspace, do, checkpoints, ds, grads, mixed, dot_precision, k1_layout)
         return grads
 
     hi = ws["inverse_beta"].to(torch.bfloat16)

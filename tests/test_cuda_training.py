@@ -269,6 +269,7 @@ def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout, gate_shift):
     The raw gate as drawn decays the state by about exp(-40) a chunk; lowered by 6 (gate_shift)
     it carries dS across chunks, so that gamma's part of the step shows too."""
     from helpers import fp64_gradients
+    from kda.cuda.training import dstates_row_major
     from kda.cuda.training import state_grad_chain as cuda_chain
     from kda.tables import chunk_tables
     from kda.triton.prepare import prepare_chunks
@@ -292,6 +293,7 @@ def test_gpu_cuda_state_grad_chain_against_triton_and_fp64(layout, gate_shift):
     theirs = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     dh0_t = torch.empty_like(dh0)
     triton_chain(p, tables, prepare_chunks(p, tables, torch.bfloat16, "tf32"), do, dht, dh0_t, theirs, True, "tf32")
+    ours = dstates_row_major(ours)  # (rows swizzled as K1's tiles, for the state products' reads)
     assert ours[:real].isfinite().all(), "a chunk's state gradient was never written"
     assert ours[real:].isnan().all(), "a write landed past the real chunks"
     for c in range(real):  # chunk by chunk, so that one bad chunk is not averaged away
@@ -319,3 +321,87 @@ def test_gpu_cuda_backward_chain_switch_trains(monkeypatch):
     for name in ref:
         ours_err, triton_err = rel(ours[name], ref[name]), rel(triton_only[name], ref[name])
         assert ours_err <= 1.1 * triton_err + 1e-4, f"d{name}: cuda forward {ours_err:.3e} vs triton {triton_err:.3e}"
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize("gate_shift", [0.0, -6.0])
+def test_gpu_cuda_state_products_against_triton(layout, gate_shift):
+    """kda.cuda.training.state_products beside the Triton state and dU kernels on the same K1
+    workspace, checkpoints (the CUDA training forward's) and chain dS: every real chunk's
+    scratch and every token's dv written (NaN poison), nothing past the real chunks, and each
+    product close to Triton's chunk by chunk. Sequences of 300, 1, 0, 129 and 64 tokens: spans
+    of four chunks and shorter ones, a last chunk of one token, an empty sequence."""
+    from kda.cuda.forward import chunk_forward
+    from kda.cuda.training import k1_operands, product_scratch_numel, state_products
+    from kda.cuda.training import state_grad_chain as cuda_chain
+    from kda.tables import chunk_tables
+    from kda.triton.chunk_grad import scratch_views
+    from kda.triton.chunk_grad import state_products as triton_products
+    from kda.triton.training import checkpoint_shape
+
+    case = make_case(seq_lens=[300, 1, 0, 129, 64], H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+                     state_v_first=layout, seed=23)  # fmt: skip
+    case.g = case.g + gate_shift
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    tables = chunk_tables(p)
+    NC, H, real = tables.num_chunks, p.H, int(tables.chunk_offsets[-1])
+    checkpoints = torch.full(checkpoint_shape(p), float("nan"), device="cuda")
+    chunk_forward(p, checkpoints=checkpoints)
+    do = torch.randn(p.v.shape, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(p.state_shape, device="cuda")
+    dstates = torch.empty(NC, H, p.V, p.K, dtype=torch.bfloat16, device="cuda")
+    workspace = cuda_chain(p, do, dht, None, dstates, tables)
+    results = []
+    for cuda in (True, False):
+        scratch = torch.full((product_scratch_numel(NC, H),), float("nan"), device="cuda")
+        dv = torch.full_like(p.v, float("nan"))
+        with kda.record_dispatch() as events:
+            if cuda:
+                state_products(p, do, checkpoints, dstates, workspace, tables, scratch, dv)
+            else:
+                triton_products(p, tables, k1_operands(workspace), do, checkpoints, dstates, True, "tf32", True,
+                                scratch, dv)  # fmt: skip
+        assert events == (["cuda:state_products"] if cuda else []), events
+        results.append((scratch_views(scratch, NC, H, 128), dv))
+    (ours, dv_ours), (theirs, dv_theirs) = results
+
+    def chunks(x, lo, hi):  # chunk slots lo..hi of a scratch view, chunk first
+        return x[:, lo:hi].transpose(0, 1) if x.dim() == 5 else x[lo:hi]
+
+    names = ("dQ~, dw, dK^", "dU V^T, dO V^T", "dgamma")
+    for name, a, b in zip(names, ours, theirs):
+        assert chunks(a, 0, real).isfinite().all(), f"{name}: a real chunk's value was never written"
+        assert chunks(a, real, NC).isnan().all(), f"{name}: a write past the real chunks"
+        for c, (x, y) in enumerate(zip(chunks(a, 0, real), chunks(b, 0, real))):  # one bad chunk is not averaged away
+            for i, (xi, yi) in enumerate(zip(x, y) if a.dim() == 5 else [(x, y)]):
+                assert rel(xi, yi) < 2e-2, (name, i, c, rel(xi, yi))
+    assert dv_ours.isfinite().all(), "a token's dv was never written"
+    dv_err = rel(dv_ours.float(), dv_theirs.float())
+    errors = [f"{rel(chunks(a, 0, real), chunks(b, 0, real)):.2e}" for a, b in zip(ours, theirs)]
+    print("rel to triton:", dict(zip(names, errors)), f"dv {dv_err:.2e}")
+    assert dv_err < 1e-2, dv_err
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_state_products_switch(monkeypatch):
+    """KDA_CUDA_STATE_PRODUCTS=0: the CUDA chain, then the Triton state kernels on K1's
+    workspace; every gradient of the default path (the CUDA products) against fp64 within 25%
+    of the switched-off path's, as tests/test_backward.py bounds the default path by the Triton
+    one's: dA_log here is two numbers, a sum over every token and channel of a head, and moved
+    by 15% between the two (H200, 2026-12-02, run 42) where dg, summed into it, got better."""
+    case = make_case(seq_lens=[300, 17, 129], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=24)
+    ref = gradients(case.to(torch.float64), "torch")
+    with kda.record_dispatch() as events:
+        default = gradients(case, "cuda")
+    assert "cuda:state_products" in events, events
+    monkeypatch.setattr(kda.cuda, "STATE_PRODUCTS", False)
+    with kda.record_dispatch() as events:
+        switched = gradients(case, "cuda")
+    assert "cuda:state_grad_chain" in events and "cuda:state_products" not in events, events
+    for name in ref:
+        ours, off = rel(default[name], ref[name]), rel(switched[name], ref[name])
+        print(f"d{name}: cuda products {ours:.3e}, triton products {off:.3e}")
+        assert ours <= 1.25 * off + 1e-4, (name, ours, off)

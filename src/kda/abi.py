@@ -160,6 +160,24 @@ RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): o
 CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (recurrence.cu)
 
 
+# The training backward's state-products kernel (recurrence.cu kda_state_products): work items of
+# one (checkpoint span of CHECKPOINT_CHUNKS chunks, head), one CTA an SM, PRODUCT_WARPS consumer
+# warps of 16 V rows each (the whole head) and a producer warp, PRODUCT_STAGES pipeline stages.
+PRODUCT_WARPS = HEAD_DIM // 16
+PRODUCT_STAGES = 3
+PRODUCT_ROW_BYTES = 2 * HEAD_DIM + 16  # a staged bf16 row of v or dO, padded by 16 bytes
+
+
+def products_shared_bytes() -> int:
+    """Dynamic shared memory of a state-products CTA: PRODUCT_STAGES x (a workspace block, 16
+    rows each of v and dO, a dS block), the products' operands (S^T, U, dU hi and lo as MMA
+    fragments, each warp's dgamma partials), a [16, 16] bf16 tile per warp for dV.
+    recurrence.cu checks its layout against this at compile time."""
+    stage = WORKSPACE_BYTES + 2 * CHUNK * PRODUCT_ROW_BYTES + 2 * HEAD_DIM * HEAD_DIM
+    operands = 2 * HEAD_DIM * HEAD_DIM + 3 * PRODUCT_WARPS * CHUNK * CHUNK * 2 + PRODUCT_WARPS * HEAD_DIM * 4
+    return PRODUCT_STAGES * stage + operands + PRODUCT_WARPS * CHUNK * 16 * 2
+
+
 def recurrence_shared_bytes(warps: int) -> int:
     """Dynamic shared memory of a recurrence CTA: STAGES x (a workspace block + 16 v rows of
     16 * warps bf16 columns, each row padded by 16 bytes) + a [16, 16] bf16 output tile per
@@ -218,6 +236,11 @@ def header() -> str:
         f"  static constexpr int bytes = {WORKSPACE_BYTES};",
         "};",
         "constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;",
+        "",
+        f"constexpr int kProductWarps = {PRODUCT_WARPS};",
+        f"constexpr int kProductStages = {PRODUCT_STAGES};",
+        f"constexpr int kProductRowBytes = {PRODUCT_ROW_BYTES};",
+        f"constexpr int kProductsSharedBytes = {products_shared_bytes()};",
         "",
         "constexpr int recurrence_shared_bytes(int warps) {",
         "  return " + " : ".join(f"warps == {w} ? {recurrence_shared_bytes(w)}" for w in RECURRENCE_WIDTHS) + " : -1;",

@@ -172,7 +172,7 @@ def accuracy_rows(calls: dict) -> list[dict]:
 KERNEL_NAMES = (
     "kda_prepare", "kda_recurrence", "kda_state_grad_chain",
     "prepare_chunks_kernel", "recurrence_v_split_kernel", "state_grad_chain_kernel",
-    "chunk_state_grads_kernel", "chunk_du_grads_kernel", "chunk_input_grads_kernel",
+    "chunk_state_grads_kernel", "chunk_du_grads_kernel", "chunk_input_grads_kernel", "kda_state_products",
 )  # fmt: skip
 
 

@@ -8,13 +8,14 @@ sm_90 GPUs. Decode shapes (``dispatch.prefers_decode``) and state pools run the 
 of ``decode.cu`` instead (:mod:`kda.cuda.decode`), which also takes grouped value heads.
 Anything else is refused with the reason and ``backend="auto"`` moves on to Triton. A call
 that trains runs its forward here (K2 also writing the state checkpoints), and its backward's
-reverse chain here too where the gate is the safe lower-bound one (:mod:`kda.cuda.training`: K1
-and the chain on K1's workspace); the backward's local gradients run on Triton
-(:mod:`kda.autograd`).
+reverse chain and state products here too where the gate is the safe lower-bound one
+(:mod:`kda.cuda.training`: K1, the chain and the products on K1's workspace); the rest of the
+backward's local gradients run on Triton (:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
 (``forward.recurrence_warps``); ``KDA_CUDA_BACKWARD_CHAIN=0`` keeps a training backward's reverse
-chain on Triton (its prepare stage and chain) after a forward here. All are read once, at import
+chain on Triton (its prepare stage and chain) after a forward here; ``KDA_CUDA_STATE_PRODUCTS=0``
+keeps its state products on Triton after the CUDA chain. All are read once, at import
 (:func:`read_switches`).
 
 On an H200 (``benchmarks/NOTES.md``, 2026-12-02, runs 30-37) the kernels passed the whole suite
@@ -42,17 +43,21 @@ WARPS_OVERRIDE: str | None = None  # KDA_CUDA_WARPS, checked where it is used
 # Triton prepare stage and chain took 0.29 + 0.55: the step 4.59 -> 4.40 ms, every gradient's
 # error against fp64 as on Triton's chain to three digits (results/h200-2026-12-02-train-run39-*).
 BACKWARD_CHAIN = True
+# After the CUDA reverse chain, the state products on CUDA too (KDA_CUDA_STATE_PRODUCTS=0: the
+# Triton kernels, on K1's workspace): kda.cuda.training.state_products.
+STATE_PRODUCTS = True
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS`` and ``KDA_CUDA_BACKWARD_CHAIN`` from the
-    environment: once, at import, as an environment read costs 0.6-0.7 us (an unset name
-    raises and catches a KeyError inside ``os.environ``) against a host budget of 40 us a call.
-    Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BACKWARD_CHAIN`` and
+    ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment read
+    costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
+    against a host budget of 40 us a call. Call it again after changing any in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
+    STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
 
 
 read_switches()

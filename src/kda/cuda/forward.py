@@ -203,12 +203,12 @@ def state_flags(p: Problem, h0: torch.Tensor | None, ht: torch.Tensor | None) ->
     return bits
 
 
-def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int) -> tuple:
+def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=None) -> tuple:
     """loader.Params field by field: ``p``'s inputs, with v, the state read and written, the
-    output, the workspace and the checkpoints given (the training backward's chain takes other
-    tensors for some of them: kda.cuda.training); None is a null pointer."""
+    output, the workspace and the checkpoints given, and q where given (the training backward's
+    kernels take other tensors for some of them: kda.cuda.training); None is a null pointer."""
     return (
-        p.q.data_ptr(), p.k.data_ptr(), v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
+        (p.q if q is None else q).data_ptr(), p.k.data_ptr(), v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
         0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
         0 if o is None else o.data_ptr(), workspace.data_ptr(), *tables.addresses,

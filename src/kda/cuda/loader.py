@@ -98,6 +98,10 @@ CHAIN_KERNELS = {
     warps: (f"kda_state_grad_chain_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in abi.CHAIN_WIDTHS
 }
 
+# The training backward's state products (recurrence.cu): one entry point, its shared memory.
+PRODUCTS_KERNEL = ("kda_state_products", abi.products_shared_bytes())
+PRODUCT_THREADS = 32 * (abi.PRODUCT_WARPS + 1)  # the consumer warps and one producer warp
+
 
 def swizzle_tiles(tiles):
     """Row-major ``[..., 16, 128]`` tiles <-> the stored layout of kda_cuda.cuh ``tile_offset``
@@ -169,7 +173,9 @@ class Kernels:
         self.kernels = {}
         entry_points = {
             "prepare.fatbin": ("kda_prepare",),
-            "recurrence.fatbin": tuple(name for name, _ in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values())),
+            "recurrence.fatbin": tuple(
+                name for name, _ in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL)
+            ),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
         for artefact, names in entry_points.items():
@@ -234,7 +240,7 @@ class Kernels:
         ]
         settings += [
             (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes, self.kernels[name])
-            for name, shared_bytes in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values())
+            for name, shared_bytes in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL)
         ]
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")

@@ -116,15 +116,14 @@ __device__ __forceinline__ void load_state(float (&St)[16][4], const Params& p, 
     }
 }
 
-// This warp's 16 columns of the stage's row-major [16 tokens, BV] tile (v, or dO for the
+// Columns column..column+15 of a staged row-major [16 tokens, BV] tile (v, or dO for the
 // backward) as the left operand [16 columns, 16 tokens] of an MMA (ldmatrix.trans); ``rows``
 // tokens are left in the sequence, and those past its end (registers 0, 1 hold tokens 2t,
 // 2t + 1; 2, 3 tokens 2t + 8, 2t + 9) are masked to zero: their rows hold stale bytes.
-template <int WARPS>
-__device__ __forceinline__ void token_tile_operand(uint32_t (&a)[4], const unsigned char* tile, int warp,
-                                                   const Lane& lane, int64_t rows) {
+__device__ __forceinline__ void token_tile_operand(uint32_t (&a)[4], const unsigned char* tile, int row_stride,
+                                                   int column, const Lane& lane, int64_t rows) {
   const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
-  ldmatrix_x4_trans(a, tile + (r_lo + 8 * sel_b) * Stage<WARPS>::kVRowStride + (warp * 16 + 8 * sel_a) * 2);
+  ldmatrix_x4_trans(a, tile + (r_lo + 8 * sel_b) * row_stride + (column + 8 * sel_a) * 2);
   if (rows < kChunk) {
     for (int r = 0; r < 4; ++r) {
       const int token = 2 * lane.t + 8 * (r / 2);
@@ -145,24 +144,24 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
 }
 
 // The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
-// bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % kStages in
-// round i / kStages; both sides step the stage and the round's parity instead of dividing.
-// Up to two consumer warps every lane releases the stage itself; at four, one lane a warp
+// bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % STAGES in
+// round i / STAGES; both sides step the stage and the round's parity instead of dividing.
+// Up to two consumer warps every lane releases the stage itself (LANE_RELEASE); at four, one lane a warp
 // after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
 // lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
 // 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
 // the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
 // 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
 // 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
-template <int WARPS>
+template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4)>
 struct Pipeline {
-  static constexpr bool kLaneRelease = WARPS < 4;
+  static constexpr bool kLaneRelease = LANE_RELEASE;
   uint64_t* full;
   uint64_t* empty;
   int stage = 0, round_parity = 0;
   __device__ Pipeline(uint64_t* full_, uint64_t* empty_) : full(full_), empty(empty_) {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) {
+      for (int s = 0; s < STAGES; ++s) {
         cute::initialize_barrier(full[s], 1);
         cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
       }
@@ -171,15 +170,15 @@ struct Pipeline {
     __syncthreads();
   }
   __device__ void next() {
-    if (++stage == kStages) stage = 0, round_parity ^= 1;
+    if (++stage == STAGES) stage = 0, round_parity ^= 1;
   }
-  // The producer warp: runs up to kStages chunks ahead of the consumers, the sequence's chunks
+  // The producer warp: runs up to STAGES chunks ahead of the consumers, the sequence's chunks
   // in order or (kReverse) from its last.
   template <bool kReverse>
   __device__ void produce(const Params& p, const ChainSlice<WARPS>& cs, unsigned char* smem) {
     for (int64_t i = 0; i < cs.num_chunks; ++i, next()) {
       // Round r >= 1 refills a stage once the consumers' r-th release of it (parity r - 1) is in.
-      if (i >= kStages) mbarrier_wait(empty[stage], round_parity ^ 1);
+      if (i >= STAGES) mbarrier_wait(empty[stage], round_parity ^ 1);
       const int64_t c = kReverse ? cs.num_chunks - 1 - i : i;
       load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
                         p.workspace + ((cs.c_first + c) * p.heads + cs.h) * kWorkspaceBytes, p, cs.bos + c * kChunk,
@@ -256,7 +255,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     // ldmatrix.trans.
     float VB[2][4] = {};
     uint32_t aV[4];
-    token_tile_operand<WARPS>(aV, v_tile, warp, lane, eos - bos - i * kChunk);
+    token_tile_operand(aV, v_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, eos - bos - i * kChunk);
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
@@ -334,8 +333,10 @@ __device__ __forceinline__ void recurrence(const Params& p) {
 // after the first chunk the initial state's gradient in float32. Params fields as read here:
 // v = dO [T, H, 128] bf16 (its rows stream in as K2's v rows do); h0 = the final state's
 // gradient (has_h0, h0_bfloat16, state_v_first); ht = the initial state's gradient, float32
-// (store_ht); checkpoints = dS of every chunk, bf16 [num_chunks, H, 128 (V), 128 (K)], the
-// layout the Triton chain writes. M enters in bf16 (the Triton chain's is float32 at tf32).
+// (store_ht); checkpoints = dS of every chunk, bf16 [num_chunks, H, 128 (V), 128 (K)], each
+// (chunk, head) block's rows stored swizzled as K1's tiles (tile_offset: the state products'
+// one bulk copy of a block then feeds conflict-free ldmatrix reads; the Triton state kernel
+// reads it so with K1_LAYOUT). M enters in bf16 (the Triton chain's is float32 at tf32).
 template <int WARPS>
 __device__ __forceinline__ void state_grad_chain(const Params& p) {
   using WS = WorkspaceLayout;
@@ -361,12 +362,13 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
   __nv_bfloat16* const dstates = reinterpret_cast<__nv_bfloat16*>(p.checkpoints);
   for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
     const int64_t c = num_chunks - 1 - i;
-    {  // dS leaving chunk c, [c, h, v, k]: elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8
-      __nv_bfloat16* at = dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim) +
-                          (v_warp + lane.g) * kHeadDim + 2 * lane.t;
+    {  // dS leaving chunk c, [c, h, v, k]: elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of
+       // row g; e = 2, 3 row g + 8 (same row % 8); piece j of a row is stored at piece j ^ (row % 8)
+      unsigned char* at = reinterpret_cast<unsigned char*>(dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim));
       for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<uint32_t*>(at + 8 * j) = pack_bf16(dSt[j][0], dSt[j][1]);
-        *reinterpret_cast<uint32_t*>(at + 8 * kHeadDim + 8 * j) = pack_bf16(dSt[j][2], dSt[j][3]);
+        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g, 8 * j + 2 * lane.t)) = pack_bf16(dSt[j][0], dSt[j][1]);
+        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g + 8, 8 * j + 2 * lane.t)) =
+            pack_bf16(dSt[j][2], dSt[j][3]);
       }
     }
     pipe.wait_full();
@@ -381,7 +383,7 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
 
     // dO^T, as K2's V^T.
     uint32_t aO[4];
-    token_tile_operand<WARPS>(aO, do_tile, warp, lane, cs.eos - cs.bos - c * kChunk);
+    token_tile_operand(aO, do_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, cs.eos - cs.bos - c * kChunk);
     // dO^T M: M row-major [16 j, 16 i] is the right operand as stored (ldmatrix.trans, as K2's
     // k_restored), off the serial chain.
     float D[2][4] = {};
@@ -425,6 +427,376 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
       for (int e = 0; e < 4; ++e) static_cast<float*>(p.ht)[state_base + state_offset(lane, j, e)] = dSt[j][e];
 }
 
+// ---- The training backward's state products ------------------------------------------------
+//
+// Per (chunk, head) the backward needs the products of the state S entering the chunk and of the
+// gradient dS of the state leaving it with the chunk's operands, summed over V
+// (reference.recurrence_step_backward, kda/triton/chunk_grad.py's chunk_state_grads_kernel and
+// chunk_du_grads_kernel, which this kernel replaces on K1's workspace):
+//
+//     U     = inverse_beta V - w S              dU    = M^T dO + k_restored dS
+//     dQ~   = dO S^T       [16, K]              dw    = -dU S^T         dK^ = U dS^T
+//     dgamma = rowsum(S * dS)  [K]               dV    = inverse_beta^T dU
+//     dU V^T, dO V^T       [16, 16]
+//
+// A (checkpoint span of kCheckpointChunks chunks, head) is one work item; a CTA (one an SM: its
+// shared memory) takes items blockIdx.x, + gridDim.x, ... Eight consumer warps hold the 128 V
+// rows of S^T (16 each, K2's registers) from the span's checkpoint and step it through the
+// span's chunks as K2 does, so no state is recomputed twice; a producer warp streams each
+// chunk's workspace block, v and dO rows and dS block into a pipeline stage, running ahead
+// across items (the pipeline never drains between them) and asking L2 for each item's
+// checkpoint as it starts the item's loads. Each warp forms U^T and dU^T for its V rows and
+// leaves its share of the sums over V in shared memory as MMA fragments (S^T as bf16 right
+// operands, U and dU as left operands, transposed in registers by movmatrix); after a barrier
+// among the consumers, warp w forms the three [16, K] products for key channels 16w..16w+15
+// with V as the MMA's reduction dimension, so the sums over V never leave the tensor cores;
+// a second barrier frees the fragments for the next chunk. Params fields as read here: q = dO
+// (bf16, v's shape), h0 = dS of every chunk (bf16 [num_chunks, H, 128 (V), 128 (K)], the
+// reverse chain's, rows swizzled as K1's tiles), checkpoints = the training forward's (float32
+// [rows, H, 128 (V), 128 (K)]), o = dV (bf16, v's shape), ht = the float32 scratch of the
+// local-gradient kernel that follows: dQ~, dw, dK^ as [3, num_chunks, H, 16, 128], then dU
+// V^T, dO V^T as [2, num_chunks, H, 16, 16], then dgamma [num_chunks, H, 128]; num_seqs and
+// checkpoint_offsets say which items are real.
+// Products take bf16 operands with float32 accumulation, as the Triton kernels' (MIXED); dU
+// enters dU V^T and dV as a bf16 pair (hi + lo), where the Triton kernel's products were
+// float32-accurate (DU_PRECISION).
+struct ProductLayout {
+  // a pipeline stage: the workspace block, v rows, dO rows (padded to kProductRowBytes, so that
+  // the eight rows an ldmatrix reads fall in distinct bank groups), the dS block as stored
+  static constexpr int kV = kWorkspaceBytes;
+  static constexpr int kDo = kV + kChunk * kProductRowBytes;
+  static constexpr int kDs = kDo + kChunk * kProductRowBytes;
+  static constexpr int kDsBytes = kHeadDim * kHeadDim * 2;
+  static constexpr int kStageBytes = kDs + kDsBytes;
+  // the fragments: S^T's right operands [warp][n-tile][lane] (uint2), U's, dU's hi and lo left
+  // operands [warp][lane] (uint4), each warp's dgamma partials [warp][K] (float)
+  static constexpr int kS = 0;
+  static constexpr int kU = kS + kHeadDim * kHeadDim * 2;
+  static constexpr int kDuHi = kU + kProductWarps * 32 * 16;
+  static constexpr int kDuLo = kDuHi + kProductWarps * 32 * 16;
+  static constexpr int kGamma = kDuLo + kProductWarps * 32 * 16;
+  static constexpr int kOperandBytes = kGamma + kProductWarps * kHeadDim * 4;
+  static constexpr int kOperands = kProductStages * kStageBytes;
+  static constexpr int kOut = kOperands + kOperandBytes;  // per warp: dV^T staged as [16 tokens, 16 v] bf16
+  static constexpr int kBytes = kOut + kProductWarps * kChunk * 16 * 2;
+};
+static_assert(ProductLayout::kBytes == kProductsSharedBytes, "the products' shared memory differs from src/kda/abi.py");
+static_assert(kProductWarps * 16 == kHeadDim, "the consumer warps cover V");
+
+// One work item of the state products: checkpoint row `row` (of sequence n), head h, its chunks.
+struct ProductSpan {
+  int64_t row, h, bos, eos, c_seq, first;  // first: the span's first chunk within the sequence
+  int chunks;
+  // Item `item` (row-major over (checkpoint row, head)); false past the real rows.
+  __device__ bool find(const Params& p, int64_t item) {
+    row = item / p.heads;
+    h = item % p.heads;
+    if (row >= p.checkpoint_offsets[p.num_seqs]) return false;
+    int64_t n = 0, last = p.num_seqs - 1;  // the last sequence whose first checkpoint row is <= row
+    while (n < last) {
+      const int64_t mid = (n + last + 1) / 2;
+      if (p.checkpoint_offsets[mid] <= row) n = mid;
+      else last = mid - 1;
+    }
+    bos = p.seq_offsets[n];
+    eos = p.seq_offsets[n + 1];
+    c_seq = p.chunk_offsets[n];
+    first = (row - p.checkpoint_offsets[n]) * kCheckpointChunks;
+    chunks = static_cast<int>(min(static_cast<int64_t>(kCheckpointChunks), p.chunk_offsets[n + 1] - c_seq - first));
+    return true;
+  }
+  __device__ int rows(int i) const {
+    return static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - (first + i) * kChunk));
+  }
+  __device__ int64_t slot(const Params& p, int i) const { return (c_seq + first + i) * p.heads + h; }
+};
+
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// The left operand of X^T from the left operand a of a [16, 16] block X: block (r, c) of X^T
+// is block (c, r) of X transposed (registers 0-3: blocks (0, 0), (1, 0), (0, 1), (1, 1)).
+__device__ __forceinline__ uint4 transposed_operand(const uint32_t (&a)[4]) {
+  return make_uint4(transpose_8x8(a[0]), transpose_8x8(a[2]), transpose_8x8(a[1]), transpose_8x8(a[3]));
+}
+
+// The bf16 remainder of two accumulator tiles after their bf16 rounding (the lo of a hi + lo pair).
+__device__ __forceinline__ void operand_remainder(uint32_t (&lo)[4], const float (&c0)[4], const float (&c1)[4]) {
+  float r[2][4];
+  for (int e = 0; e < 4; ++e) {
+    r[0][e] = c0[e] - __bfloat162float(__float2bfloat16_rn(c0[e]));
+    r[1][e] = c1[e] - __bfloat162float(__float2bfloat16_rn(c1[e]));
+  }
+  accumulators_to_operand(lo, r[0], r[1]);
+}
+
+// Rows (tokens) at or past ``rows`` of a left operand read from a staged token tile hold stale
+// bytes: zero them (registers 0, 2 hold row g; 1, 3 row g + 8).
+__device__ __forceinline__ void mask_token_rows(uint32_t (&a)[4], const Lane& lane, int rows) {
+  if (lane.g >= rows) a[0] = a[2] = 0u;
+  if (lane.g + 8 >= rows) a[1] = a[3] = 0u;
+}
+
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * kProductWarps) : "memory");
+}
+
+__device__ __forceinline__ void state_products(const Params& p) {
+  using WS = WorkspaceLayout;
+  using L = ProductLayout;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Lane lane;
+  const int warp = threadIdx.x / 32;
+  const __nv_bfloat16* const dO = p.q;
+  const unsigned char* const dstates = static_cast<const unsigned char*>(p.h0);
+
+  __shared__ uint64_t full[kProductStages], empty[kProductStages];
+  // every lane releases a stage (racecheck follows no __syncwarp: with one lane a warp it reported
+  // the refills as racing with the other lanes' reads, H200, 2026-12-02, run 42)
+  Pipeline<kProductWarps, kProductStages, true> pipe(full, empty);
+  ProductSpan span;
+  if (warp == kProductWarps) {  // the producer: one bulk copy per block and per row
+    int64_t loads = 0;
+    for (int64_t item = blockIdx.x; span.find(p, item); item += gridDim.x) {
+      if (lane.l < 4)  // the item's checkpoint, 64 KB, into L2 ahead of the consumers' loads
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                         p.checkpoints + (span.row * p.heads + span.h) * (kHeadDim * kHeadDim) + lane.l * (kHeadDim * kHeadDim / 4)),
+                     "n"(kHeadDim * kHeadDim) : "memory");
+      for (int i = 0; i < span.chunks; ++i, ++loads, pipe.next()) {
+        if (loads >= kProductStages) mbarrier_wait(empty[pipe.stage], pipe.round_parity ^ 1);
+        const int64_t t0 = span.bos + (span.first + i) * kChunk, slot = span.slot(p, i);
+        const int rows = span.rows(i);
+        unsigned char* stage = smem + pipe.stage * L::kStageBytes;
+        uint64_t& bar = full[pipe.stage];
+        if (lane.l == 0) {
+          cute::set_barrier_transaction_bytes(bar, kWorkspaceBytes + L::kDsBytes + 2 * rows * kHeadDim * 2);
+          cute::SM90_BULK_COPY_G2S::copy(p.workspace + slot * kWorkspaceBytes, &bar, stage, kWorkspaceBytes);
+          cute::SM90_BULK_COPY_G2S::copy(dstates + slot * L::kDsBytes, &bar, stage + L::kDs, L::kDsBytes);
+        }
+        __syncwarp();  // the expected byte count is posted before any row copy can complete
+        if (lane.l < rows) {
+          const int64_t at = ((t0 + lane.l) * p.heads + span.h) * kHeadDim;
+          cute::SM90_BULK_COPY_G2S::copy(p.v + at, &bar, stage + L::kV + lane.l * kProductRowBytes, kHeadDim * 2);
+          cute::SM90_BULK_COPY_G2S::copy(dO + at, &bar, stage + L::kDo + lane.l * kProductRowBytes, kHeadDim * 2);
+        }
+      }
+    }
+    return;
+  }
+
+  const int v_warp = 16 * warp;
+  float* const operand_grads = static_cast<float*>(p.ht);  // [3, num_chunks, H, 16, 128]
+  const int64_t plane = p.num_chunks * p.heads * (kChunk * kHeadDim);
+  float* const squares = operand_grads + 3 * plane;  // [2, num_chunks, H, 16, 16]
+  const int64_t square_plane = p.num_chunks * p.heads * (kChunk * kChunk);
+  float* const gamma_grads = squares + 2 * square_plane;  // [num_chunks, H, 128]
+  unsigned char* const ops = smem + L::kOperands;
+  uint2* const s_frag = reinterpret_cast<uint2*>(ops + L::kS);
+  uint4* const u_frag = reinterpret_cast<uint4*>(ops + L::kU);
+  uint4* const du_hi = reinterpret_cast<uint4*>(ops + L::kDuHi);
+  uint4* const du_lo = reinterpret_cast<uint4*>(ops + L::kDuLo);
+  float* const gamma_part = reinterpret_cast<float*>(ops + L::kGamma);
+  __nv_bfloat16* const out_tile = reinterpret_cast<__nv_bfloat16*>(smem + L::kOut + warp * (kChunk * 16 * 2));
+  const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
+
+  for (int64_t item = blockIdx.x; span.find(p, item); item += gridDim.x) {
+    float St[16][4];  // S^T rows v_warp..+15 from the span's checkpoint; tile j holds key channels 8j..8j+7
+    {
+      const float* at = p.checkpoints + (span.row * p.heads + span.h) * (kHeadDim * kHeadDim) +
+                        (v_warp + lane.g) * kHeadDim + 2 * lane.t;
+      for (int j = 0; j < 16; ++j) {
+        const float2 a = *reinterpret_cast<const float2*>(at + 8 * j);
+        const float2 b = *reinterpret_cast<const float2*>(at + 8 * kHeadDim + 8 * j);
+        St[j][0] = a.x, St[j][1] = a.y, St[j][2] = b.x, St[j][3] = b.y;
+      }
+    }
+    for (int i = 0; i < span.chunks; ++i, pipe.next()) {
+      const int64_t t0 = span.bos + (span.first + i) * kChunk, slot = span.slot(p, i);
+      const int rows = span.rows(i);
+      pipe.wait_full();
+
+      const unsigned char* st = smem + pipe.stage * L::kStageBytes;
+      const unsigned char* tile_w = st + WS::w;
+      const unsigned char* tile_kr = st + WS::k_restored;
+      const uint32_t* ib_hi = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_hi);
+      const uint32_t* ib_lo = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_lo);
+      const float2* gamma = reinterpret_cast<const float2*>(st + WS::gamma);
+      const unsigned char* v_tile = st + L::kV;
+      const unsigned char* do_tile = st + L::kDo;
+      const unsigned char* ds_tile = st + L::kDs;  // dS^T [V, K], rows swizzled (tile_offset)
+
+      // V^T inverse_beta^T, as K2.
+      float VB[2][4] = {};
+      uint32_t aV[4];
+      token_tile_operand(aV, v_tile, kProductRowBytes, v_warp, lane, rows);
+      for (int nt = 0; nt < 2; ++nt) {
+        const int r = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+        mma_bf16(VB[nt], aV, ib_hi[r], ib_hi[r + 4]);
+        mma_bf16(VB[nt], aV, ib_lo[r], ib_lo[r + 4]);
+      }
+
+      // S^T w^T as K2; on the way, S^T's right operands for the products (block (v, k) of S^T,
+      // transposed, is register b0 (v 0-7) or b1 (v 8-15) of n-tile k) and this warp's share of
+      // dgamma = rowsum(S * dS), summed over its V rows (lanes of one t) by shuffles.
+      float P[2][2][4] = {};
+      for (int kk = 0; kk < 8; ++kk) {
+        uint32_t aS[4], bw[4];
+        accumulators_to_operand(aS, St[2 * kk], St[2 * kk + 1]);
+        ldmatrix_x4(bw, tile_w + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
+        mma_bf16(P[kk % 2][0], aS, bw[0], bw[1]);
+        mma_bf16(P[kk % 2][1], aS, bw[2], bw[3]);
+        s_frag[(warp * 16 + 2 * kk) * 32 + lane.l] = make_uint2(transpose_8x8(aS[0]), transpose_8x8(aS[1]));
+        s_frag[(warp * 16 + 2 * kk + 1) * 32 + lane.l] = make_uint2(transpose_8x8(aS[2]), transpose_8x8(aS[3]));
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * kk + jj, k = 8 * j + 2 * lane.t;
+          const float2 d0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ds_tile + tile_offset(v_warp + lane.g, k)));
+          const float2 d1 =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ds_tile + tile_offset(v_warp + lane.g + 8, k)));
+          float x = St[j][0] * d0.x + St[j][2] * d1.x, y = St[j][1] * d0.y + St[j][3] * d1.y;
+          for (int m = 4; m < 32; m *= 2) {
+            x += __shfl_xor_sync(0xffffffffu, x, m);
+            y += __shfl_xor_sync(0xffffffffu, y, m);
+          }
+          if (lane.g == 0) *reinterpret_cast<float2*>(gamma_part + warp * kHeadDim + k) = make_float2(x, y);
+        }
+      }
+      // U^T = V^T inverse_beta^T - S^T w^T; U as a left operand for the products.
+      float U[2][4];
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - (P[0][nt][e] + P[1][nt][e]);
+      uint32_t aU[4];
+      accumulators_to_operand(aU, U[0], U[1]);
+      u_frag[warp * 32 + lane.l] = transposed_operand(aU);
+
+      // dU^T = dO^T M + dS^T k_restored^T, as the reverse chain's, with dS^T from the stage.
+      float dU[2][4] = {};
+      {
+        uint32_t aO[4], bM[4];
+        token_tile_operand(aO, do_tile, kProductRowBytes, v_warp, lane, rows);
+        ldmatrix_x4_trans(bM, st + WS::M + (r_lo + 8 * sel_a) * (kChunk * 2) + 8 * sel_b * 2);
+        mma_bf16(dU[0], aO, bM[0], bM[1]);
+        mma_bf16(dU[1], aO, bM[2], bM[3]);
+      }
+      {
+        float Q[2][2][4] = {};
+        for (int kk = 0; kk < 8; ++kk) {
+          uint32_t aD[4], bk[4];
+          ldmatrix_x4(aD, ds_tile + tile_offset(v_warp + r_lo + 8 * sel_a, 16 * kk + 8 * sel_b));
+          ldmatrix_x4(bk, tile_kr + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
+          mma_bf16(Q[kk % 2][0], aD, bk[0], bk[1]);
+          mma_bf16(Q[kk % 2][1], aD, bk[2], bk[3]);
+        }
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e) dU[nt][e] += Q[0][nt][e] + Q[1][nt][e];
+      }
+      uint32_t aDh[4], aDl[4];
+      accumulators_to_operand(aDh, dU[0], dU[1]);
+      operand_remainder(aDl, dU[0], dU[1]);
+      du_hi[warp * 32 + lane.l] = transposed_operand(aDh);
+      du_lo[warp * 32 + lane.l] = transposed_operand(aDl);
+
+      // dV^T = dU^T inverse_beta (inverse_beta as stored is the right operand, by ldmatrix.trans),
+      // both as bf16 pairs; through shared memory, so each token's 16 values leave as one row.
+      {
+        float dV[2][4] = {};
+        uint32_t bh[4], bl[4];
+        const int at = (r_lo + 8 * sel_a) * (kChunk * 2) + 8 * sel_b * 2;
+        ldmatrix_x4_trans(bh, st + WS::inverse_beta_hi + at);
+        ldmatrix_x4_trans(bl, st + WS::inverse_beta_lo + at);
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_bf16(dV[nt], aDl, bh[2 * nt], bh[2 * nt + 1]);
+          mma_bf16(dV[nt], aDh, bl[2 * nt], bl[2 * nt + 1]);
+          mma_bf16(dV[nt], aDh, bh[2 * nt], bh[2 * nt + 1]);
+        }
+        for (int nt = 0; nt < 2; ++nt)
+          for (int e = 0; e < 4; ++e)
+            out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(dV[nt][e]);
+        __syncwarp();
+        if (lane.l / 2 < rows)
+          *reinterpret_cast<uint4*>(p.o + ((t0 + lane.l / 2) * p.heads + span.h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
+              reinterpret_cast<const uint4*>(out_tile)[lane.l];
+        __syncwarp();
+      }
+
+      // S^T_next = S^T Diag(gamma) + U^T k_restored, as K2.
+      scale_by_gamma(St, gamma, lane);
+      for (int jp = 0; jp < 8; ++jp) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, tile_kr + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
+        mma_bf16(St[2 * jp], aU, bk[0], bk[1]);
+        mma_bf16(St[2 * jp + 1], aU, bk[2], bk[3]);
+      }
+
+      consumer_barrier();  // every warp's fragments and dgamma partials of this chunk are in
+
+      // Key channels 16 warp .. +15 (n-tiles 2 warp, 2 warp + 1) of the three products, the sum
+      // over V as the reduction dimension: V rows 16 wv .. +15 are warp wv's fragments.
+      float dQ[2][4] = {}, dW[2][4] = {}, dK[2][4] = {};
+      for (int wv = 0; wv < kProductWarps; ++wv) {
+        uint32_t aO[4], bD[4];
+        ldmatrix_x4(aO, do_tile + (r_lo + 8 * sel_a) * kProductRowBytes + (16 * wv + 8 * sel_b) * 2);
+        mask_token_rows(aO, lane, rows);
+        const uint4 u = u_frag[wv * 32 + lane.l], d = du_hi[wv * 32 + lane.l];
+        const uint32_t aUw[4] = {u.x, u.y, u.z, u.w}, aDw[4] = {d.x, d.y, d.z, d.w};
+        ldmatrix_x4_trans(bD, ds_tile + tile_offset(16 * wv + r_lo + 8 * sel_a, 16 * warp + 8 * sel_b));
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint2 sf = s_frag[(wv * 16 + 2 * warp + nt) * 32 + lane.l];
+          mma_bf16(dQ[nt], aO, sf.x, sf.y);
+          mma_bf16(dW[nt], aDw, sf.x, sf.y);
+          mma_bf16(dK[nt], aUw, bD[2 * nt], bD[2 * nt + 1]);
+        }
+      }
+      float gamma_sum = 0.f;
+      if (lane.l < 16)
+        for (int wv = 0; wv < kProductWarps; ++wv) gamma_sum += gamma_part[wv * kHeadDim + 16 * warp + lane.l];
+      // dU V^T (warps 0, 1: n-tile = warp, dU as hi + lo) and dO V^T (warps 2, 3), summed over V;
+      // V^T is the right operand as v's rows are stored (ldmatrix), tokens past the end zeroed.
+      float X[4] = {};
+      if (warp < 4) {
+        const int nt = warp % 2;
+        const bool zero_b = 8 * nt + lane.g >= rows;
+        for (int wv = 0; wv < kProductWarps; ++wv) {
+          uint32_t bV[4];
+          ldmatrix_x4(bV, v_tile + (r_lo + 8 * sel_b) * kProductRowBytes + (16 * wv + 8 * sel_a) * 2);
+          const uint32_t b0 = zero_b ? 0u : bV[2 * nt], b1 = zero_b ? 0u : bV[2 * nt + 1];
+          if (warp < 2) {
+            const uint4 hi = du_hi[wv * 32 + lane.l], lo = du_lo[wv * 32 + lane.l];
+            const uint32_t a_hi[4] = {hi.x, hi.y, hi.z, hi.w}, a_lo[4] = {lo.x, lo.y, lo.z, lo.w};
+            mma_bf16(X, a_lo, b0, b1);
+            mma_bf16(X, a_hi, b0, b1);
+          } else {
+            uint32_t aO[4];
+            ldmatrix_x4(aO, do_tile + (r_lo + 8 * sel_a) * kProductRowBytes + (16 * wv + 8 * sel_b) * 2);
+            mask_token_rows(aO, lane, rows);
+            mma_bf16(X, aO, b0, b1);
+          }
+        }
+      }
+      consumer_barrier();  // every warp is done with this chunk's fragments: the next chunk's may land
+      pipe.release(lane);
+
+      for (int nt = 0; nt < 2; ++nt) {
+        float* at = operand_grads + (slot * kChunk + lane.g) * kHeadDim + 16 * warp + 8 * nt + 2 * lane.t;
+        *reinterpret_cast<float2*>(at) = make_float2(dQ[nt][0], dQ[nt][1]);
+        *reinterpret_cast<float2*>(at + 8 * kHeadDim) = make_float2(dQ[nt][2], dQ[nt][3]);
+        *reinterpret_cast<float2*>(at + plane) = make_float2(-dW[nt][0], -dW[nt][1]);
+        *reinterpret_cast<float2*>(at + plane + 8 * kHeadDim) = make_float2(-dW[nt][2], -dW[nt][3]);
+        *reinterpret_cast<float2*>(at + 2 * plane) = make_float2(dK[nt][0], dK[nt][1]);
+        *reinterpret_cast<float2*>(at + 2 * plane + 8 * kHeadDim) = make_float2(dK[nt][2], dK[nt][3]);
+      }
+      if (lane.l < 16) gamma_grads[slot * kHeadDim + 16 * warp + lane.l] = gamma_sum;
+      if (warp < 4) {
+        float* at = squares + (warp < 2 ? 0 : square_plane) + (slot * kChunk + lane.g) * kChunk + 8 * (warp % 2) + 2 * lane.t;
+        *reinterpret_cast<float2*>(at) = make_float2(X[0], X[1]);
+        *reinterpret_cast<float2*>(at + 8 * kChunk) = make_float2(X[2], X[3]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // One entry point per width, each with one more warp, the producer. Registers are
@@ -439,5 +811,10 @@ extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { 
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
 extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w1(const Params p) { state_grad_chain<1>(p); }
 extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w2(const Params p) { state_grad_chain<2>(p); }
+// The state products: one CTA an SM (its shared memory), so the registers are not capped below
+// what 288 threads may have.
+extern "C" __global__ void __launch_bounds__(32 * (kProductWarps + 1), 1) kda_state_products(const Params p) {
+  state_products(p);
+}
 
 }  // namespace kda

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from kda import abi
 from kda.cuda import loader
-from kda.cuda.forward import _launch_context, chunk_params, input_flags, state_flags, workspace_bytes
+from kda.cuda.forward import _launch_context, chunk_params, input_flags, sm_count, state_flags, workspace_bytes
 from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
 from kda.validation import Problem
@@ -39,6 +40,13 @@ def k1_operands(workspace: torch.Tensor) -> dict[str, torch.Tensor]:
     return views
 
 
+def dstates_row_major(dstates: torch.Tensor) -> torch.Tensor:
+    """The CUDA chain's ``dstates`` (rows of each [V, K] block swizzled as K1's tiles,
+    kda_cuda.cuh tile_offset) in plain row-major order, as the Triton chain writes them."""
+    *lead, v, k = dstates.shape
+    return loader.swizzle_tiles(dstates.reshape(*lead, v // 16, 16, k)).reshape(dstates.shape)
+
+
 def state_grad_chain(
     p: Problem,
     do: torch.Tensor,
@@ -50,8 +58,9 @@ def state_grad_chain(
     """K1 and the reverse chain for ``p`` (a problem the CUDA backend takes): ``do`` the output
     gradient (bf16, v's shape), ``dht`` the final state's (float32 or bf16, the state's layout)
     or None for zero. Writes ``dstates`` (bf16 ``[num_chunks, H, V, K]`` of ``p``'s chunk
-    tables; ``tables``: those tables if already at hand) and, when given, ``dh0`` (float32, the
-    state's layout). Returns K1's workspace."""
+    tables, each (chunk, head) block's rows swizzled as K1's tiles: :func:`dstates_row_major`
+    undoes it; ``tables``: those tables if already at hand) and, when given, ``dh0`` (float32,
+    the state's layout). Returns K1's workspace."""
     if do.dtype != torch.bfloat16 or do.shape != p.v.shape:
         raise ValueError(f"do must be bfloat16 of v's shape {tuple(p.v.shape)}, got {do.dtype} {tuple(do.shape)}")
     if dht is not None and (dht.dtype not in (torch.float32, torch.bfloat16) or dht.shape != p.state_shape):
@@ -85,3 +94,56 @@ def state_grad_chain(
         kernels.launch(name, grid, 32 * (CHAIN_WARPS + 1), shared_bytes, stream)
         note("cuda:state_grad_chain")
     return workspace
+
+
+def product_scratch_numel(num_chunks: int, heads: int) -> int:
+    """Float32 elements of the scratch :func:`state_products` writes (and the Triton
+    local-gradient kernels share, kda.triton.chunk_grad.chunk_grads): dQ~, dw, dK^ ``[3,
+    num_chunks, H, 16, 128]``, dU V^T and dO V^T ``[2, num_chunks, H, 16, 16]``, dgamma
+    ``[num_chunks, H, 128]``, back to back."""
+    chunk, d = abi.CHUNK, abi.HEAD_DIM
+    return num_chunks * heads * (3 * chunk * d + 2 * chunk * chunk + d)
+
+
+def state_products(
+    p: Problem,
+    do: torch.Tensor,
+    checkpoints: torch.Tensor,
+    dstates: torch.Tensor,
+    workspace: torch.Tensor,
+    tables,
+    scratch: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """The state products of the backward's local gradients on K1's ``workspace``
+    (recurrence.cu ``kda_state_products``: a CTA an SM, each taking (checkpoint span, head)
+    items in turn), after
+    :func:`state_grad_chain`: reads ``do`` (bf16, v's shape), the training forward's
+    ``checkpoints`` (float32 ``[rows, H, V, K]``) and the chain's ``dstates`` (bf16
+    ``[num_chunks, H, V, K]``, rows swizzled as K1's tiles); writes ``scratch``
+    (:func:`product_scratch_numel`) and ``dv`` (v's shape and dtype), what
+    kda.triton.chunk_grad's state and dU kernels write."""
+    num_chunks, H, shape = tables.num_chunks, p.H, tuple(p.v.shape)
+    if do.dtype != torch.bfloat16 or tuple(do.shape) != shape:
+        raise ValueError(f"do must be bfloat16 of v's shape {shape}, got {do.dtype} {tuple(do.shape)}")
+    if dv.dtype != torch.bfloat16 or tuple(dv.shape) != shape or not dv.is_contiguous():
+        raise ValueError(f"dv must be contiguous bfloat16 of v's shape {shape}, got {dv.dtype} {tuple(dv.shape)}")
+    if dstates.dtype != torch.bfloat16 or tuple(dstates.shape) != (num_chunks, H, p.V, p.K):
+        raise ValueError(f"dstates must be bfloat16 [{num_chunks}, {H}, {p.V}, {p.K}], got {tuple(dstates.shape)}")
+    if checkpoints.dtype != torch.float32 or tuple(checkpoints.shape[1:]) != (H, p.V, p.K):
+        raise ValueError(f"checkpoints must be float32 [rows, {H}, {p.V}, {p.K}], got {tuple(checkpoints.shape)}")
+    if scratch.dtype != torch.float32 or scratch.numel() != product_scratch_numel(num_chunks, H):
+        raise ValueError(f"scratch must be float32 of {product_scratch_numel(num_chunks, H)} elements")
+    rows = checkpoints.shape[0]
+    if rows * H == 0:
+        return
+    kernels, device_index, stream, _capturing = _launch_context(p)
+    do = do.contiguous()  # (its rows arrive by bulk copies; the chain made the same copy)
+    params = chunk_params(p, p.v, dstates, scratch, dv, workspace, tables, checkpoints, 0, q=do)
+    name, shared_bytes = loader.PRODUCTS_KERNEL
+    with on_device(device_index), kernels.lock:
+        kernels.bind_context(device_index)
+        kernels.set_params(params)
+        # one CTA an SM (its shared memory), each taking (checkpoint row, head) items in turn
+        kernels.launch(name, (min(rows * H, sm_count(device_index)), 1), loader.PRODUCT_THREADS, shared_bytes, stream)
+        note("cuda:state_products")

@@ -246,7 +246,12 @@ def chunk_state_grads_kernel(
         io = (tok[:, None] * HV + i_hv) * V + cols_v[None, :]
         b_v = tl.load(v + io, mask=io_mask, other=0.0).to(tl.float32)
         b_do = tl.load(do + io, mask=io_mask, other=0.0).to(tl.float32)
-        dS = tl.load(dstates + i_c * HV * K * V + state_kv, mask=state_mask, other=0.0).to(tl.float32)
+        if K1_LAYOUT:  # the CUDA chain's dS: each row's 16-byte pieces swizzled as K1's tiles (K = 128)
+            ds_kv = i_hv * K * V + cols_v[None, :] * K + ((rows_k[:, None] // 8) ^ (cols_v[None, :] % 8)) * 8
+            ds_kv += rows_k[:, None] % 8
+        else:
+            ds_kv = state_kv
+        dS = tl.load(dstates + i_c * HV * K * V + ds_kv, mask=state_mask, other=0.0).to(tl.float32)
 
         U = tl.dot(b_ib, b_v, input_precision=DOT_PRECISION) - _mm(
             b_w, S, MIXED, operand_dtype, DOT_PRECISION, INTERPRET
@@ -571,21 +576,17 @@ def chunk_input_grads_kernel(
             tl.store(dk + io, d_k.to(dk.dtype.element_ty), mask=mask)
 
 
-def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
-                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str,
-                k1_layout: bool = False) -> None:  # fmt: skip
-    """Launch the local gradients: the V slices per (chunk, value head), then the prepare stage
-    backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
-    shapes, and the per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where
-    the gate has them). Between the two, float32 scratch holds the operand gradients and dU (3 x
-    16 x BK + 16 x V + BK values per chunk and value head); the last kernel reuses it. ``ws`` is
-    the Triton prepare stage's workspace, or with ``k1_layout`` K1's as
-    ``kda.cuda.training.k1_operands`` views it (bf16, K = V = 128)."""
+def state_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
+                   dstates: torch.Tensor, mixed: bool, dot_precision: str, k1_layout: bool,
+                   scratch: torch.Tensor, dv: torch.Tensor) -> None:  # fmt: skip
+    """The state and dU kernels: ``scratch`` (float32, the layout :func:`chunk_grads` views: the
+    operand gradients [3, NC, HV, 16, BK], the squares [2, NC, HV, 16, 16], dgamma [NC, HV,
+    BK]) and ``dv``. With ``k1_layout``, ``ws`` is K1's workspace and ``dstates`` the CUDA
+    chain's (rows swizzled, kda.cuda.training.dstates_row_major). kda.cuda.training.state_products
+    writes the same on the CUDA path."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
-    d_operands = p.q.new_empty(3, NC, HV, CHUNK, BK, dtype=torch.float32)
+    d_operands, d_squares, d_gamma = scratch_views(scratch, NC, HV, BK)
     d_u = p.q.new_empty(NC, HV, CHUNK, p.V, dtype=torch.float32)
-    d_squares = p.q.new_empty(2, NC, HV, CHUNK, CHUNK, dtype=torch.float32)
-    d_gamma = p.q.new_empty(NC, HV, BK, dtype=torch.float32)
     chunk_state_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, tables.checkpoint_offsets,
         ws["w"], ws["k_restored"], ws["gamma"], ws["inverse_beta"], ws.get("inverse_beta_lo"), ws["M"],
@@ -597,9 +598,41 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     )  # fmt: skip
     chunk_du_grads_kernel[(NC, HV)](
         p.v, do, tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq, ws["inverse_beta"],
-        ws.get("inverse_beta_lo"), d_u, grads["v"], d_squares, HV, p.V, BV=max(min(next_power_of_2(p.V), DU_SLICE), DOT_MIN),
-        K1_LAYOUT=k1_layout,
+        ws.get("inverse_beta_lo"), d_u, dv, d_squares, HV, p.V,
+        BV=max(min(next_power_of_2(p.V), DU_SLICE), DOT_MIN), K1_LAYOUT=k1_layout,
     )  # fmt: skip
+
+
+def scratch_views(scratch: torch.Tensor, NC: int, HV: int, BK: int) -> tuple[torch.Tensor, ...]:
+    """``(d_operands [3, NC, HV, 16, BK], d_squares [2, NC, HV, 16, 16], d_gamma [NC, HV, BK])``,
+    back to back in one float32 ``scratch`` (kda.cuda.training.product_scratch_numel's order)."""
+    plane = NC * HV * CHUNK
+    squares_at, gamma_at = 3 * plane * BK, plane * (3 * BK + 2 * CHUNK)
+    return (
+        scratch[:squares_at].view(3, NC, HV, CHUNK, BK),
+        scratch[squares_at:gamma_at].view(2, NC, HV, CHUNK, CHUNK),
+        scratch[gamma_at:].view(NC, HV, BK),
+    )
+
+
+def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
+                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str,
+                k1_layout: bool = False, cuda_products=None) -> None:  # fmt: skip
+    """Launch the local gradients: the state products per (chunk, value head), then the prepare
+    stage backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
+    shapes, and the per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where
+    the gate has them). Between the two, float32 scratch holds the operand gradients (3 x 16 x
+    BK + 2 x 16 x 16 + BK values per chunk and value head). ``ws`` is the Triton prepare stage's
+    workspace, or with ``k1_layout`` K1's as ``kda.cuda.training.k1_operands`` views it (bf16,
+    K = V = 128). ``cuda_products``: a callable ``(scratch, dv)`` writing the state products in
+    place of :func:`state_products` (kda.cuda.training.state_products), or None."""
+    NC, HV, BK = tables.num_chunks, p.HV, tables.BK
+    scratch = p.q.new_empty(NC * HV * (CHUNK * (3 * BK + 2 * CHUNK) + BK), dtype=torch.float32)
+    if cuda_products is not None:
+        cuda_products(scratch, grads["v"])
+    else:
+        state_products(p, tables, ws, do, checkpoints, dstates, mixed, dot_precision, k1_layout, scratch, grads["v"])
+    d_operands, d_squares, d_gamma = scratch_views(scratch, NC, HV, BK)
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     safe = safe_gate_path(p)
     for pairwise in (False,) if safe else FAR_LAUNCHES:

@@ -11,6 +11,8 @@ the backward call.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from kda.dispatch import log_once, note
@@ -94,19 +96,27 @@ def backward(
     if p.N * HV:
         dstates = p.q.new_empty(NC, HV, p.V, p.K, dtype=workspace_dtype)
         k1_layout = cuda_chain_refusal(p, do, dht, cuda_forward) is None
-        if k1_layout:  # K1 and the CUDA reverse chain
+        products = None
+        if k1_layout:  # K1 and the CUDA reverse chain, and unless switched off the CUDA state products
+            import kda.cuda
             from kda.cuda.training import k1_operands
             from kda.cuda.training import state_grad_chain as cuda_state_grad_chain
+            from kda.cuda.training import state_products as cuda_state_products
 
-            log_once("chunk_kda backward: K1 and the reverse chain on cuda, the rest on triton")
-            ws = k1_operands(cuda_state_grad_chain(p, do, dht, dh0, dstates, tables))
+            workspace = cuda_state_grad_chain(p, do, dht, dh0, dstates, tables)
+            ws = k1_operands(workspace)
+            if kda.cuda.STATE_PRODUCTS:
+                log_once("chunk_kda backward: K1, the reverse chain and the state products on cuda, the rest on triton")
+                products = partial(cuda_state_products, p, do, checkpoints, dstates, workspace, tables)
+            else:
+                log_once("chunk_kda backward: K1 and the reverse chain on cuda, the rest on triton")
         else:
             ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
             note("triton:prepare_chunks")
             state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
             note("triton:state_grad_chain")
         if NC:
-            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout)
+            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout, products)
             note("triton:chunk_grads")
     if A_log_part is not None:
         grads["A_log"] = A_log_part.sum((0, 2))
