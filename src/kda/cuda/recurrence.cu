@@ -146,13 +146,14 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
 // The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
 // bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % STAGES in
 // round i / STAGES; both sides step the stage and the round's parity instead of dividing.
-// Up to two consumer warps every lane releases the stage itself (LANE_RELEASE); at four, one lane a warp
-// after __syncwarp(). Both are sound (the warp barrier orders the other lanes' reads before
-// lane 0's release), and they differ in speed and in what racecheck sees (H200, nvcc 13.0,
-// 2026-12-02, runs 35-36, benchmarks/NOTES.md): every-lane release is racecheck-clean and took
-// the 2-warp K2 from 0.557 to 0.518 ms on 1x8192 H96, but at four warps it spills at the
-// 128-register cap and ran 2-8% slower; with one lane releasing, racecheck reports the other
-// 31 lanes' reads of a stage as racing with its refill (it does not follow __syncwarp).
+// Up to two consumer warps every lane releases the stage itself (LANE_RELEASE, also the state
+// products' choice); at four, one lane a warp after __syncwarp(). Both are sound (the warp
+// barrier orders the other lanes' reads before lane 0's release), and they differ in speed and
+// in what racecheck sees (H200, nvcc 13.0, 2026-12-02, runs 35-36, benchmarks/NOTES.md):
+// every-lane release is racecheck-clean and took the 2-warp K2 from 0.557 to 0.518 ms on 1x8192
+// H96, but at four warps it spills at the 128-register cap and ran 2-8% slower; with one lane
+// releasing, racecheck reports the other 31 lanes' reads of a stage as racing with its refill
+// (it does not follow __syncwarp).
 template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4)>
 struct Pipeline {
   static constexpr bool kLaneRelease = LANE_RELEASE;
@@ -364,11 +365,12 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
     const int64_t c = num_chunks - 1 - i;
     {  // dS leaving chunk c, [c, h, v, k]: elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of
        // row g; e = 2, 3 row g + 8 (same row % 8); piece j of a row is stored at piece j ^ (row % 8)
-      unsigned char* at = reinterpret_cast<unsigned char*>(dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim));
+      unsigned char* at =
+          reinterpret_cast<unsigned char*>(dstates + ((c_first + c) * p.heads + h) * (kHeadDim * kHeadDim));
       for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g, 8 * j + 2 * lane.t)) = pack_bf16(dSt[j][0], dSt[j][1]);
-        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g + 8, 8 * j + 2 * lane.t)) =
-            pack_bf16(dSt[j][2], dSt[j][3]);
+        const int k = 8 * j + 2 * lane.t;
+        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g, k)) = pack_bf16(dSt[j][0], dSt[j][1]);
+        *reinterpret_cast<uint32_t*>(at + tile_offset(v_warp + lane.g + 8, k)) = pack_bf16(dSt[j][2], dSt[j][3]);
       }
     }
     pipe.wait_full();
@@ -561,10 +563,11 @@ __device__ __forceinline__ void state_products(const Params& p) {
   if (warp == kProductWarps) {  // the producer: one bulk copy per block and per row
     int64_t loads = 0;
     for (int64_t item = blockIdx.x; span.find(p, item); item += gridDim.x) {
-      if (lane.l < 4)  // the item's checkpoint, 64 KB, into L2 ahead of the consumers' loads
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                         p.checkpoints + (span.row * p.heads + span.h) * (kHeadDim * kHeadDim) + lane.l * (kHeadDim * kHeadDim / 4)),
-                     "n"(kHeadDim * kHeadDim) : "memory");
+      if (lane.l < 4) {  // the item's checkpoint, 64 KB, into L2 ahead of the consumers' loads (16 KB a lane)
+        const float* quarter = p.checkpoints + (span.row * p.heads + span.h) * (kHeadDim * kHeadDim) +
+                               lane.l * (kHeadDim * kHeadDim / 4);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(quarter), "n"(kHeadDim * kHeadDim) : "memory");
+      }
       for (int i = 0; i < span.chunks; ++i, ++loads, pipe.next()) {
         if (loads >= kProductStages) mbarrier_wait(empty[pipe.stage], pipe.round_parity ^ 1);
         const int64_t t0 = span.bos + (span.first + i) * kChunk, slot = span.slot(p, i);
@@ -652,9 +655,10 @@ __device__ __forceinline__ void state_products(const Params& p) {
         s_frag[(warp * 16 + 2 * kk + 1) * 32 + lane.l] = make_uint2(transpose_8x8(aS[2]), transpose_8x8(aS[3]));
         for (int jj = 0; jj < 2; ++jj) {
           const int j = 2 * kk + jj, k = 8 * j + 2 * lane.t;
-          const float2 d0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ds_tile + tile_offset(v_warp + lane.g, k)));
-          const float2 d1 =
-              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(ds_tile + tile_offset(v_warp + lane.g + 8, k)));
+          const unsigned char* row0 = ds_tile + tile_offset(v_warp + lane.g, k);
+          const unsigned char* row8 = ds_tile + tile_offset(v_warp + lane.g + 8, k);
+          const float2 d0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row0));
+          const float2 d1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row8));
           float x = St[j][0] * d0.x + St[j][2] * d1.x, y = St[j][1] * d0.y + St[j][3] * d1.y;
           for (int m = 4; m < 32; m *= 2) {
             x += __shfl_xor_sync(0xffffffffu, x, m);
@@ -716,8 +720,8 @@ __device__ __forceinline__ void state_products(const Params& p) {
             out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(dV[nt][e]);
         __syncwarp();
         if (lane.l / 2 < rows)
-          *reinterpret_cast<uint4*>(p.o + ((t0 + lane.l / 2) * p.heads + span.h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
-              reinterpret_cast<const uint4*>(out_tile)[lane.l];
+          *reinterpret_cast<uint4*>(p.o + ((t0 + lane.l / 2) * p.heads + span.h) * kHeadDim + v_warp +
+                                    8 * (lane.l % 2)) = reinterpret_cast<const uint4*>(out_tile)[lane.l];
         __syncwarp();
       }
 
@@ -789,7 +793,8 @@ __device__ __forceinline__ void state_products(const Params& p) {
       }
       if (lane.l < 16) gamma_grads[slot * kHeadDim + 16 * warp + lane.l] = gamma_sum;
       if (warp < 4) {
-        float* at = squares + (warp < 2 ? 0 : square_plane) + (slot * kChunk + lane.g) * kChunk + 8 * (warp % 2) + 2 * lane.t;
+        float* at = squares + (warp < 2 ? 0 : square_plane) + (slot * kChunk + lane.g) * kChunk + 8 * (warp % 2) +
+                    2 * lane.t;
         *reinterpret_cast<float2*>(at) = make_float2(X[0], X[1]);
         *reinterpret_cast<float2*>(at + 8 * kChunk) = make_float2(X[2], X[3]);
       }

@@ -177,7 +177,9 @@ def _pairs_direct(dAu, dM, b_q, b_k, G2, R, scale, rows):
     configs=autotune_configs(
         [{"BV": 32}, {"BV": 64}, {"BV": 32, "maxnreg": 128}, {"BV": 64, "maxnreg": 168}], warps=(4, 8), stages=(1, 2)
     ),
-    key=["BK", "V", "MIXED"],
+    # K1_LAYOUT in the key: the two layouts' launches tuned apart (with one key, the switched-off CUDA
+    # products ran whichever config the first launch had tuned: 2.9-3.0 ms, H200, 2026-12-02, runs 42-43)
+    key=["BK", "V", "MIXED", "K1_LAYOUT"],
 )
 @triton.jit
 def chunk_state_grads_kernel(
@@ -275,7 +277,7 @@ def chunk_state_grads_kernel(
 
 
 # two stages: the tuner's choice on 1x8192 H32, 0.183 -> 0.146 ms (H200, 2026-12-02, run 41)
-@triton.autotune(configs=autotune_configs([{}], warps=(4, 2), stages=(1, 2)), key=["BV"])
+@triton.autotune(configs=autotune_configs([{}], warps=(4, 2), stages=(1, 2)), key=["BV", "K1_LAYOUT"])
 @triton.jit
 def chunk_du_grads_kernel(
     v, do, seq_offsets, chunk_offsets, chunk_seq, inverse_beta, inverse_beta_lo, d_u, dv, d_squares, HV, V,
