@@ -3,7 +3,8 @@ a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 
 the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
 one token, bfloat16); then the training forward's K2 with its checkpoints (the sequences cross
 checkpoint rows), checked against the Triton forward's; then the backward's CUDA reverse chain and
-state products against Triton's. Exits non-zero on a wrong answer."""
+state products against Triton's, and the products again from two CTAs (several items each).
+Exits non-zero on a wrong answer."""
 
 import sys
 
@@ -95,6 +96,13 @@ finite = scratch_t.isfinite()
 products_apart = max(relative_rms(scratch[finite].cpu(), scratch_t[finite].cpu()),
                      relative_rms(dv.float().cpu(), dv_t.float().cpu()))  # fmt: skip
 assert products_apart < 2e-2, f"the CUDA state products {products_apart:.2e} from Triton's"
+import kda.cuda.training as cuda_training  # noqa: E402
+
+cuda_training.sm_count = lambda index: 2  # two CTAs, each taking several items: the pipeline runs across them
+scratch_2, dv_2 = torch.full_like(scratch, float("nan")), torch.full_like(dv, float("nan"))
+state_products(p, do, checkpoints, ours, workspace, tables, scratch_2, dv_2)
+torch.cuda.synchronize()
+assert torch.equal(scratch_2[finite], scratch[finite]) and torch.equal(dv_2, dv), "products: two CTAs differ"
 print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e}, "
       f"products {products_apart:.2e} from Triton's")  # fmt: skip
 sys.exit(0 if worst <= 5e-3 else 1)

@@ -356,3 +356,71 @@ def test_state_grad_chain_refuses_wrong_buffers():
         training.state_grad_chain(p, do, torch.empty(p.state_shape, dtype=torch.float16), None, dstates)
     with pytest.raises(ValueError, match="dh0 must be float32"):
         training.state_grad_chain(p, do, None, torch.empty(p.state_shape, dtype=torch.bfloat16), dstates)
+
+
+def products_inputs(p, tables):
+    """What kda.cuda.training.state_products takes for ``p`` (CPU tensors of the right shapes)."""
+    from kda.cuda import training
+    from kda.triton.training import checkpoint_shape
+
+    NC, H = tables.num_chunks, p.H
+    return dict(
+        do=torch.randn(p.v.shape).to(torch.bfloat16),
+        checkpoints=torch.randn(checkpoint_shape(p)),
+        dstates=torch.randn(NC, H, 128, 128).to(torch.bfloat16),
+        workspace=torch.empty(forward.workspace_bytes(p, tables), dtype=torch.uint8),
+        tables=tables,
+        scratch=torch.empty(training.product_scratch_numel(NC, H)),
+        dv=torch.empty_like(p.v),
+    )
+
+
+def test_state_products_fill_the_params_block_as_the_kernel_reads_it(load_kernels, monkeypatch):
+    """kda.cuda.training.state_products: one launch of kda_state_products, a CTA an SM (here 3)
+    or one per (checkpoint row, head) item where there are fewer, with q = dO, h0 = dS, ht =
+    the scratch, o = dV (recurrence.cu's state_products)."""
+    from kda.cuda import training
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    case = make_case(seq_lens=[70, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    tables = chunk_tables(p)
+    args = products_inputs(p, tables)
+    for sms, ctas in ((3, 3), (64, args["checkpoints"].shape[0] * 2)):
+        monkeypatch.setattr(training, "sm_count", lambda index, sms=sms: sms)
+        libcuda.calls.clear()
+        with kda.record_dispatch() as events:
+            training.state_products(p, **args)
+        assert events == ["cuda:state_products"], events
+        ((launch, prm),) = libcuda.calls
+        pointers = dict(q=args["do"], v=p.v, h0=args["dstates"], ht=args["scratch"], o=args["dv"],
+                        workspace=args["workspace"], checkpoints=args["checkpoints"],
+                        checkpoint_offsets=tables.checkpoint_offsets, seq_offsets=tables.seq_offsets)  # fmt: skip
+        assert {name: getattr(prm, name) for name in pointers} == {n: x.data_ptr() for n, x in pointers.items()}
+        assert (prm.num_chunks, prm.num_seqs, prm.heads) == (tables.num_chunks, 2, 2)
+        name, shared_bytes = loader.PRODUCTS_KERNEL
+        assert launch[0] == int(kernels.kernels[name])
+        assert launch[1:9] == (ctas, 1, 1, loader.PRODUCT_THREADS, 1, 1, shared_bytes, 0x5000), launch
+
+
+def test_state_products_refuse_wrong_buffers():
+    from kda.cuda import training
+
+    case = make_case(seq_lens=[70, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    tables = chunk_tables(p)
+    good = products_inputs(p, tables)
+    wrong = {
+        "do": (good["do"].float(), "do must be torch.bfloat16"),
+        "dv": (torch.empty(*p.v.shape[:-1], 256, dtype=torch.bfloat16)[..., :128], "dv must be contiguous"),
+        "dstates": (good["dstates"][:-1], "dstates must be torch.bfloat16 of shape"),
+        "checkpoints": (good["checkpoints"][:1], "checkpoints must be torch.float32 of shape"),
+        "scratch": (good["scratch"][1:], "scratch must be torch.float32 of shape"),
+        "workspace": (good["workspace"][:-16], "workspace must hold"),
+    }
+    for name, (bad, message) in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            training.state_products(p, **(good | {name: bad}))
+    misaligned = torch.empty(good["do"].numel() + 1, dtype=torch.bfloat16)[1:].view(good["do"].shape)
+    with pytest.raises(ValueError, match="do must be contiguous and 16-byte aligned"):
+        training.state_products(p, **(good | {"do": misaligned}))

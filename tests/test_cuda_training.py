@@ -327,12 +327,14 @@ def test_gpu_cuda_backward_chain_switch_trains(monkeypatch):
 @cuda_ready
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("gate_shift", [0.0, -6.0])
-def test_gpu_cuda_state_products_against_triton(layout, gate_shift):
+@pytest.mark.parametrize("batched", [False, True])
+def test_gpu_cuda_state_products_against_triton(layout, gate_shift, batched):
     """kda.cuda.training.state_products beside the Triton state and dU kernels on the same K1
     workspace, checkpoints (the CUDA training forward's) and chain dS: every real chunk's
     scratch and every token's dv written (NaN poison), nothing past the real chunks, and each
-    product close to Triton's chunk by chunk. Sequences of 300, 1, 0, 129 and 64 tokens: spans
-    of four chunks and shorter ones, a last chunk of one token, an empty sequence."""
+    product close to Triton's chunk by chunk, dv token by token; the same bits from a grid of 1
+    and 3 CTAs. Sequences of 300, 1, 0, 129 and 64 tokens: spans of four chunks and shorter
+    ones, a last chunk of one token, an empty sequence; or batched, 3 x 200 tokens."""
     from kda.cuda.forward import chunk_forward
     from kda.cuda.training import k1_operands, product_scratch_numel, state_products
     from kda.cuda.training import state_grad_chain as cuda_chain
@@ -341,8 +343,8 @@ def test_gpu_cuda_state_products_against_triton(layout, gate_shift):
     from kda.triton.chunk_grad import state_products as triton_products
     from kda.triton.training import checkpoint_shape
 
-    case = make_case(seq_lens=[300, 1, 0, 129, 64], H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda",
-                     state_v_first=layout, seed=23)  # fmt: skip
+    shape = dict(B=3, T=200) if batched else dict(seq_lens=[300, 1, 0, 129, 64])
+    case = make_case(**shape, H=3, K=128, V=128, dtype=torch.bfloat16, device="cuda", state_v_first=layout, seed=23)
     case.g = case.g + gate_shift
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     tables = chunk_tables(p)
@@ -379,9 +381,24 @@ def test_gpu_cuda_state_products_against_triton(layout, gate_shift):
                 assert rel(xi, yi) < 2e-2, (name, i, c, rel(xi, yi))
     assert dv_ours.isfinite().all(), "a token's dv was never written"
     dv_err = rel(dv_ours.float(), dv_theirs.float())
+    # Few CTAs, each taking many (checkpoint row, head) items in turn, its pipeline running across
+    # them: the same bits as a CTA an SM (where this case has fewer items than SMs, one item each).
+    import kda.cuda.training as cuda_training
+
+    for ctas in (1, 3):
+        scratch = torch.full((product_scratch_numel(NC, H),), float("nan"), device="cuda")
+        dv = torch.full_like(p.v, float("nan"))
+        with mock.patch.object(cuda_training, "sm_count", lambda index: ctas):
+            state_products(p, do, checkpoints, dstates, workspace, tables, scratch, dv)
+        few = scratch_views(scratch, NC, H, 128)
+        assert all(torch.equal(chunks(a, 0, real), chunks(b, 0, real)) for a, b in zip(few, ours)), ctas
+        assert torch.equal(dv, dv_ours), ctas
     errors = [f"{rel(chunks(a, 0, real), chunks(b, 0, real)):.2e}" for a, b in zip(ours, theirs)]
     print("rel to triton:", dict(zip(names, errors)), f"dv {dv_err:.2e}")
     assert dv_err < 1e-2, dv_err
+    tokens_ours, tokens_theirs = dv_ours.float().flatten(0, 1), dv_theirs.float().flatten(0, 1)
+    for t in range(tokens_ours.shape[0]):  # token by token
+        assert rel(tokens_ours[t], tokens_theirs[t]) < 2e-2, (t, rel(tokens_ours[t], tokens_theirs[t]))
 
 
 @pytest.mark.gpu

@@ -123,22 +123,34 @@ def state_products(
     ``[num_chunks, H, V, K]``, rows swizzled as K1's tiles); writes ``scratch``
     (:func:`product_scratch_numel`) and ``dv`` (v's shape and dtype), what
     kda.triton.chunk_grad's state and dU kernels write."""
+    from kda.cuda import ALIGNMENT
+    from kda.triton.training import checkpoint_shape
+
     num_chunks, H, shape = tables.num_chunks, p.H, tuple(p.v.shape)
-    if do.dtype != torch.bfloat16 or tuple(do.shape) != shape:
-        raise ValueError(f"do must be bfloat16 of v's shape {shape}, got {do.dtype} {tuple(do.shape)}")
-    if dv.dtype != torch.bfloat16 or tuple(dv.shape) != shape or not dv.is_contiguous():
-        raise ValueError(f"dv must be contiguous bfloat16 of v's shape {shape}, got {dv.dtype} {tuple(dv.shape)}")
-    if dstates.dtype != torch.bfloat16 or tuple(dstates.shape) != (num_chunks, H, p.V, p.K):
-        raise ValueError(f"dstates must be bfloat16 [{num_chunks}, {H}, {p.V}, {p.K}], got {tuple(dstates.shape)}")
-    if checkpoints.dtype != torch.float32 or tuple(checkpoints.shape[1:]) != (H, p.V, p.K):
-        raise ValueError(f"checkpoints must be float32 [rows, {H}, {p.V}, {p.K}], got {tuple(checkpoints.shape)}")
-    if scratch.dtype != torch.float32 or scratch.numel() != product_scratch_numel(num_chunks, H):
-        raise ValueError(f"scratch must be float32 of {product_scratch_numel(num_chunks, H)} elements")
+    if p.K != abi.HEAD_DIM or p.V != abi.HEAD_DIM or p.HV != H:
+        raise ValueError(f"the state products take K = V = {abi.HEAD_DIM} and HV = H, got K={p.K} V={p.V} HV={p.HV}")
+    expected = {  # name -> (tensor, dtype, shape or None for a flat size check below)
+        "do": (do, torch.bfloat16, shape),
+        "dv": (dv, torch.bfloat16, shape),
+        "dstates": (dstates, torch.bfloat16, (num_chunks, H, p.V, p.K)),
+        "checkpoints": (checkpoints, torch.float32, checkpoint_shape(p)),
+        "scratch": (scratch, torch.float32, (product_scratch_numel(num_chunks, H),)),
+        "workspace": (workspace, torch.uint8, None),
+    }
+    for name, (x, dtype, want) in expected.items():
+        if x.dtype != dtype or (want is not None and tuple(x.shape) != tuple(want)):
+            raise ValueError(f"{name} must be {dtype} of shape {want}, got {x.dtype} {tuple(x.shape)}")
+        if x.device != p.v.device:
+            raise ValueError(f"{name} must be on {p.v.device}, got {x.device}")
+        # (bulk copies read do, dstates and the workspace; dv takes 16-byte stores)
+        if not x.is_contiguous() or x.data_ptr() % ALIGNMENT:
+            raise ValueError(f"{name} must be contiguous and {ALIGNMENT}-byte aligned")
+    if workspace.numel() < workspace_bytes(p, tables):
+        raise ValueError(f"workspace must hold {workspace_bytes(p, tables)} bytes (K1's), got {workspace.numel()}")
     rows = checkpoints.shape[0]
     if rows * H == 0:
         return
     kernels, device_index, stream, _capturing = _launch_context(p)
-    do = do.contiguous()  # (its rows arrive by bulk copies; the chain made the same copy)
     params = chunk_params(p, p.v, dstates, scratch, dv, workspace, tables, checkpoints, 0, q=do)
     name, shared_bytes = loader.PRODUCTS_KERNEL
     with on_device(device_index), kernels.lock:

@@ -103,6 +103,7 @@ def backward(
             from kda.cuda.training import state_grad_chain as cuda_state_grad_chain
             from kda.cuda.training import state_products as cuda_state_products
 
+            do = do.contiguous()  # (the chain and the products read its rows by bulk copies)
             workspace = cuda_state_grad_chain(p, do, dht, dh0, dstates, tables)
             ws = k1_operands(workspace)
             if kda.cuda.STATE_PRODUCTS:
