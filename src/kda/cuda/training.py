@@ -6,10 +6,12 @@ the initial state, float32).
 
 A training backward after a CUDA forward takes it (``kda.triton.training.cuda_chain_refusal``;
 ``KDA_CUDA_BACKWARD_CHAIN=0`` turns it off): K1 and this chain in place of the Triton prepare
-stage and chain, the Triton local-gradient kernels then reading K1's workspace
-(``k1_operands``). On an H200 (2026-12-02, runs 38-39, benchmarks/NOTES.md) it matched Triton's
-chain chunk by chunk under NaN poison, ran clean under compute-sanitizer, and took the 1x8192
-H32 training step from 4.59 to 4.40 ms.
+stage and chain, then the state products (:func:`state_products`, recurrence.cu's
+``kda_state_products``; ``KDA_CUDA_STATE_PRODUCTS=0``: the Triton kernels) and the Triton
+prepare-backwards kernel, both reading K1's workspace (``k1_operands``). On an H200 (2026-12-02,
+runs 38-39, benchmarks/NOTES.md) the chain matched Triton's chunk by chunk under NaN poison, ran
+clean under compute-sanitizer, and took the 1x8192 H32 training step from 4.59 to 4.40 ms; the
+state products took it to 3.44 ms (run 43).
 """
 
 from __future__ import annotations
@@ -100,9 +102,10 @@ def product_scratch_numel(num_chunks: int, heads: int) -> int:
     """Float32 elements of the scratch :func:`state_products` writes (and the Triton
     local-gradient kernels share, kda.triton.chunk_grad.chunk_grads): dQ~, dw, dK^ ``[3,
     num_chunks, H, 16, 128]``, dU V^T and dO V^T ``[2, num_chunks, H, 16, 16]``, dgamma
-    ``[num_chunks, H, 128]``, back to back."""
-    chunk, d = abi.CHUNK, abi.HEAD_DIM
-    return num_chunks * heads * (3 * chunk * d + 2 * chunk * chunk + d)
+    ``[num_chunks, H, 128]``, back to back (kda.triton.chunk_grad.scratch_views)."""
+    from kda.triton.chunk_grad import scratch_numel
+
+    return scratch_numel(num_chunks, heads, abi.HEAD_DIM)
 
 
 def state_products(

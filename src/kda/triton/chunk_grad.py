@@ -605,9 +605,15 @@ def state_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, che
     )  # fmt: skip
 
 
+def scratch_numel(NC: int, HV: int, BK: int) -> int:
+    """Float32 elements of the local-gradient scratch :func:`scratch_views` lays out."""
+    return NC * HV * (CHUNK * (3 * BK + 2 * CHUNK) + BK)
+
+
 def scratch_views(scratch: torch.Tensor, NC: int, HV: int, BK: int) -> tuple[torch.Tensor, ...]:
     """``(d_operands [3, NC, HV, 16, BK], d_squares [2, NC, HV, 16, 16], d_gamma [NC, HV, BK])``,
-    back to back in one float32 ``scratch`` (kda.cuda.training.product_scratch_numel's order)."""
+    back to back in one float32 ``scratch`` of :func:`scratch_numel` elements (the order
+    kda.cuda.training.state_products writes)."""
     plane = NC * HV * CHUNK
     squares_at, gamma_at = 3 * plane * BK, plane * (3 * BK + 2 * CHUNK)
     return (
@@ -629,7 +635,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     K = V = 128). ``cuda_products``: a callable ``(scratch, dv)`` writing the state products in
     place of :func:`state_products` (kda.cuda.training.state_products), or None."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
-    scratch = p.q.new_empty(NC * HV * (CHUNK * (3 * BK + 2 * CHUNK) + BK), dtype=torch.float32)
+    scratch = p.q.new_empty(scratch_numel(NC, HV, BK), dtype=torch.float32)
     if cuda_products is not None:
         cuda_products(scratch, grads["v"])
     else:
