@@ -274,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--long", action="store_true", help="long sequences, uncut and segment-split, against fla (kda.bench_long)"
     )
+    bench.add_argument(
+        "--no-accuracy",
+        dest="accuracy",
+        action="store_false",
+        help="--train without the gradient-accuracy rows (they run at H32: on a cold autotune cache fla tunes that "
+        "head count for minutes before the cases start)",
+    )
     bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
     bench.add_argument(
         "--tag", default="", help="suffix for the result file names (partial runs); --tag=-x for a leading dash"
