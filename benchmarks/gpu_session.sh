@@ -29,7 +29,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / bench / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -120,6 +120,9 @@ if [[ $step == *trainprof* ]]; then  # the training kernels alone: split, config
       python3 benchmarks/train_profile.py ${TRAIN_CASE:-0} ncu > "$OUT/ncu-train.log" 2>&1
     grep -E "_kernel|Duration|Throughput|Occupancy|Registers|Warp Cycles|Eligible|Issued|Local|Stall|spill" "$OUT/ncu-train.log" | head -80
   fi
+fi
+if [[ $step == *tune* ]]; then  # fla's (and kda's) autotuning for TUNE_CASES, one process a case (benchmarks/tune_cache.py)
+  timeout ${TUNE_TIMEOUT:-400} python3 benchmarks/tune_cache.py ${TUNE_CASES:-1 2} > "$OUT/tune.log" 2>&1; tail -20 "$OUT/tune.log"
 fi
 if [[ " $step " == *" train "* ]]; then  # fwd+bwd against fla (kda bench --train)
   timeout ${TRAIN_TIMEOUT:-400} python3 -m kda bench --train --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench-train.log" 2>&1; tail -40 "$OUT/bench-train.log"

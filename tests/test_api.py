@@ -155,6 +155,17 @@ def test_bench_table_renders_every_section():
         assert expected in table, table
 
 
+def test_bench_impls_filter_keeps_the_order_asked_and_refuses_an_unknown_name(capsys):
+    """``--impls`` for every bench mode (run 47's ``--train`` ignored it and ran kda-triton too)."""
+    from kda import bench
+
+    calls = {"kda-triton": 1, "kda-cuda": 2, "fla": 3}
+    assert bench.pick_impls(calls, None) is calls
+    assert list(bench.pick_impls(calls, "fla,kda-cuda").items()) == [("fla", 3), ("kda-cuda", 2)]
+    assert bench.pick_impls(calls, "kda-cuda,flashkda") is None
+    assert "['flashkda'] not available here" in capsys.readouterr().out
+
+
 def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path):
     """``kda bench --train`` Markdown from a synthetic report where kda-cuda ran the first case
     and refused the second (the softplus gate): "-" cells, its kernels apart, the refusal said."""

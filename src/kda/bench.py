@@ -288,6 +288,18 @@ def time_calls(calls: dict, tensors: tuple, kw: dict) -> tuple[dict, dict]:
     return ms, first_call_s
 
 
+def pick_impls(calls: dict, impls: str | None) -> dict | None:
+    """The implementations ``--impls`` names (comma-separated), in its order; all of them without
+    it; None, said why, when it names one this machine lacks."""
+    if not impls:
+        return calls
+    missing = [name for name in impls.split(",") if name not in calls]
+    if missing:
+        print(f"--impls: {missing} not available here; available: {sorted(calls)}")
+        return None
+    return {name: calls[name] for name in impls.split(",")}
+
+
 def main(args) -> int:
 
     if not torch.cuda.is_available():
@@ -303,14 +315,9 @@ def main(args) -> int:
         from kda.bench_long import long_main
 
         return long_main(args)
-    calls = contenders()
-    if args.impls:
-        wanted = args.impls.split(",")
-        missing = [name for name in wanted if name not in calls]
-        if missing:
-            print(f"--impls: {missing} not available here; available: {sorted(calls)}")
-            return 1
-        calls = {name: calls[name] for name in wanted}
+    calls = pick_impls(contenders(), args.impls)
+    if calls is None:
+        return 1
     copy_tbps = measure_copy_tbps()
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
@@ -449,7 +456,9 @@ def train_main(args) -> int:
     backward on TRAIN_CASES, the same inputs and output gradients, and the gradients' accuracy."""
     import triton.testing
 
-    calls = train_contenders()
+    calls = pick_impls(train_contenders(), args.impls)
+    if calls is None:
+        return 1
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
     report = {
