@@ -52,6 +52,7 @@ def serialise_timing() -> None:
 def tune_case(index: int) -> None:
     import torch
 
+    import kda
     from kda.bench import TRAIN_CASES, fwd_bwd, make_inputs, train_contenders, train_inputs
 
     serialise_timing()
@@ -60,7 +61,11 @@ def tune_case(index: int) -> None:
     for name, call in train_contenders().items():
         leaves, kw_i, _, grads_out = train_inputs(tensors, kw)
         start = time.perf_counter()
-        fwd_bwd(call, leaves, kw_i, grads_out)
+        try:
+            fwd_bwd(call, leaves, kw_i, grads_out)
+        except kda.BackendUnavailableError as refused:  # kda-cuda on the softplus gate (run 48 stopped there)
+            print(f"{case['name']}: {name} not run: {refused}", flush=True)
+            continue
         torch.cuda.synchronize()
         print(f"{case['name']}: {name} first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
 
