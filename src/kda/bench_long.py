@@ -1,6 +1,7 @@
 """``kda bench --long``: long single sequences (issue 13's cases) beside fla's ``chunk_kda``,
-same inputs, same process, each with its floor; kda's CUDA path uncut and with the segment
-split at several lengths (``KDA_SEGMENT_TOKENS``, ``kda.segments``), and how far each split's
+same inputs, same process, each with its floor; kda's CUDA path as dispatched (``kda-cuda``:
+split automatically where ``kda.segments.auto_span`` says), uncut (``KDA_SEGMENT_TOKENS=0``)
+and split at several lengths (``KDA_SEGMENT_TOKENS``, ``kda.segments``), and how far each split's
 outputs and final state move from the uncut call's, on the same inputs with the raw gate
 lowered by SPLIT_CHECK_GATE_SHIFT (the timed inputs' decays, exp(-2.5) a token or so, forget a
 segment's entering state within a few tokens: there the split and the uncut call agree bit for bit,
@@ -25,6 +26,9 @@ LONG_CASES = [
     {"name": "1x131072 H32", "seq_lens": [131072], "H": 32},
     {"name": "1x524288 H16", "seq_lens": [524288], "H": 16},
     {"name": "1x2097152 H8", "seq_lens": [2097152], "H": 8},
+    # the automatic split's rule (kda.segments.auto_span) on shorter sequences of few heads
+    {"name": "1x131072 H8", "seq_lens": [131072], "H": 8},
+    {"name": "1x524288 H8", "seq_lens": [524288], "H": 8},
 ]
 # issue 13's bars, as ratios to fla's time
 TARGET_RATIO = {"1x32768 H32": 0.30, "1x131072 H32": 0.30, "1x2097152 H8": 0.25}
@@ -80,10 +84,13 @@ def long_main(args) -> int:
             for name, call in calls.items():
                 row["ms"][name] = timed(lambda call=call: call(tensors, kw))
                 print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms", flush=True)
-            if "kda-cuda" in calls:
+            if "kda-cuda" in calls:  # kda-cuda as dispatched (the automatic split where it applies), and uncut
+                uncut = with_segments(0, lambda: calls["kda-cuda"](tensors, kw))
+                row["ms"]["kda-cuda-uncut"] = timed(uncut)
+                print(f"  {case['name']} kda-cuda-uncut: {row['ms']['kda-cuda-uncut']:.3f} ms", flush=True)
                 q, k, v, g, beta = tensors
                 slow = (q, k, v, g - SPLIT_CHECK_GATE_SHIFT, beta)  # long memory: the check's inputs
-                o0, s0 = calls["kda-cuda"](slow, kw)
+                o0, s0 = with_segments(0, lambda: calls["kda-cuda"](slow, kw))()
                 row["split_vs_uncut"] = {}
                 for tokens in SEGMENT_TOKENS:
                     split = with_segments(tokens, lambda: calls["kda-cuda"](tensors, kw))

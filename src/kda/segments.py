@@ -10,12 +10,14 @@ sequence chunk by chunk. Cut every sequence longer than L tokens into segments o
 3. every segment from its true initial state, again as one packed batch.
 
 The chains multiply by the segments per sequence; the price is about three times the
-arithmetic (the transitions' runs). ``KDA_SEGMENT_TOKENS`` sets it: unset or 0, off (the
-default: the split has not been timed on a GPU yet); a positive multiple of 16, split
-sequences longer than that. Inference calls only (a call that requires grad is never
-split), and only calls whose lengths are on the host (a varlen call left unchecked,
-``validation.CHECK_CU_SEQLENS``, is not split). The dispatch log says when a call is split
-(``chunk_kda: split ... into segments``) and ``record_dispatch`` records ``segments:<L>``.
+arithmetic (the transitions' runs), so it pays only where the uncut call leaves most SMs
+idle. ``KDA_SEGMENT_TOKENS`` sets it: unset, automatic (:func:`auto_span`: calls the CUDA
+path runs whose long sequences have too few chains for the SMs); 0, off; a positive multiple
+of 16, split sequences longer than that on any backend. Inference calls only (a call that
+requires grad is never split), and only calls whose lengths are on the host (a varlen call
+left unchecked, ``validation.CHECK_CU_SEQLENS``, is not split). The dispatch log says when a
+call is split and why (``chunk_kda: split ... into segments``) and ``record_dispatch``
+records ``segments:<L>``.
 """
 
 from __future__ import annotations
@@ -28,12 +30,26 @@ from kda.transitions import affine_transitions, kv_layout
 
 SETTING = "KDA_SEGMENT_TOKENS"
 
+# The automatic split, from the CUDA path on the H200 (`kda bench --long`, benchmarks/NOTES.md,
+# runs 18 and 50; the uncut recurrence runs four CTAs a (sequence, head) pair when pairs are few,
+# kda.cuda.forward.recurrence_warps): on 1x2097152 H8 (32 CTAs on 132 SMs) segments of 16384
+# tokens took 63.1 ms against 94.6 uncut (4096: 67.1, 65536: 71.9; fla 90.0); on 1x524288 H16
+# (64 CTAs) the split lost at every length (33.0 against 26.1 uncut), and at H32 by 2x or more.
+AUTO_SEGMENT_TOKENS = 16384
+# Split when the long sequences' (sequence, value head) pairs are at most one per this many
+# SMs (8 on 132 SMs: H8 split, H16 not) ...
+AUTO_SMS_PER_PAIR = 16
+# ... counting as long the sequences of at least this many segments (and only those matter:
+# shorter ones are done before the long chains are).
+AUTO_MIN_SEGMENTS = 8
 
-def segment_tokens() -> int:
-    """The segment length ``KDA_SEGMENT_TOKENS`` asks for (0: no split)."""
+
+def segment_tokens() -> int | None:
+    """The segment length ``KDA_SEGMENT_TOKENS`` asks for: None when unset (the automatic
+    choice), 0 for no split."""
     text = os.environ.get(SETTING)  # read every call (tests set it), parsed only when set
-    if not text:
-        return 0
+    if text is None or not text.strip():
+        return None
     try:
         tokens = int(text)
     except ValueError:
@@ -41,6 +57,19 @@ def segment_tokens() -> int:
     if tokens < 0 or tokens % 16:
         raise ValueError(f"{SETTING} must be 0 (off) or a positive multiple of 16, got {tokens}")
     return tokens
+
+
+def long_chains(lengths: list[int], value_heads: int) -> int:
+    """(sequence, value head) pairs of the sequences the automatic split counts as long."""
+    return value_heads * sum(1 for n in lengths if n >= AUTO_MIN_SEGMENTS * AUTO_SEGMENT_TOKENS)
+
+
+def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
+    """The automatic segment length for sequences of ``lengths`` tokens with ``value_heads``
+    heads on ``sms`` SMs: AUTO_SEGMENT_TOKENS where the long sequences' chains are few enough
+    that the split's parallelism pays for its threefold arithmetic, else 0 (no split)."""
+    chains = long_chains(lengths, value_heads)
+    return AUTO_SEGMENT_TOKENS if chains and chains * AUTO_SMS_PER_PAIR <= sms else 0
 
 
 def sequence_lengths(q: torch.Tensor, cu_seqlens, cu_seqlens_cpu) -> list[int]:
@@ -52,9 +81,9 @@ def sequence_lengths(q: torch.Tensor, cu_seqlens, cu_seqlens_cpu) -> list[int]:
     return [b - a for a, b in zip(values, values[1:])]
 
 
-def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int):
+def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int, why: str = SETTING):
     """``chunk_kda(q, k, v, g, beta, **kw)`` with every sequence cut into segments of ``span``
-    tokens; the same results (o, final state) as the uncut call."""
+    tokens; the same results (o, final state) as the uncut call. ``why``: the log's reason."""
     from kda.dispatch import log_once, note
 
     B, T, H, K = q.shape
@@ -69,7 +98,7 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
     offsets = torch.tensor([0, *torch.tensor([p for ps in pieces for p in ps], dtype=torch.int64).cumsum(0).tolist()])
     segs = offsets.shape[0] - 1
-    log_once(f"chunk_kda: split {len(lengths)} sequences into {segs} segments of <= {span} tokens ({SETTING})")
+    log_once(f"chunk_kda: split {len(lengths)} sequences into {segs} segments of <= {span} tokens ({why})")
     note(f"segments:{span}")
     kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
 
