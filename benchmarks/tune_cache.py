@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
         print("set TRITON_CACHE_AUTOTUNING=1 (and TRITON_CACHE_DIR): the tuned configs must reach the disk")
         return 1
     children = [subprocess.Popen([sys.executable, __file__, "--case", i]) for i in argv]
-    return max((child.wait() for child in children), default=0)
+    codes = [child.wait() for child in children]  # (a child killed by a signal returns a negative code)
+    return next((code for code in codes if code), 0)
 
 
 if __name__ == "__main__":

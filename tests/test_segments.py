@@ -29,6 +29,55 @@ def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout):
     assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5, (rel(got[0], want[0]), rel(got[1], want[1]))
 
 
+@pytest.mark.parametrize("what", ["bf16 h0 and final state", "float64"])
+def test_split_keeps_full_precision_between_segments(monkeypatch, what):
+    """The transitions and the states entering the segments stay in the full-precision state
+    dtype whatever the caller's state dtypes (a bf16 final_state_dtype once rounded P and R, a
+    bf16 h0 every segment's start: 4e-4 on o against 7e-8 otherwise), and float64 inputs split
+    in float64 (their float32 zero state was refused)."""
+    import torch
+
+    case = make_case(seq_lens=[100, 7, 64], H=1, HV=2, K=16, V=8, gate="precomputed", seed=87)
+    case.g = case.g * 0.02
+    if what == "float64":
+        case, kw, tol = case.to(torch.float64), {}, 1e-12
+    else:
+        kw, tol = dict(initial_state=case.initial_state.bfloat16(), final_state_dtype=torch.bfloat16), 1e-5
+    kw = case.kwargs(**kw)
+    want = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
+    with kda.record_dispatch() as events:
+        got = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    assert "segments:32" in events, events
+    assert got[1].dtype == want[1].dtype
+    # (a bf16 final state: the same float32 state rounded once on each side)
+    moved = (rel(got[0], want[0]), rel(got[1].double(), want[1].double()))
+    assert moved[0] <= tol and moved[1] <= (tol if what == "float64" else 4e-3), moved
+
+
+def test_chain_boundaries_step_all_sequences_together():
+    """``segments.chain_boundaries`` (one batched product a step, sequences sorted by segment
+    count) against a plain loop sequence by sequence, with an empty sequence among them."""
+    import torch
+
+    from kda import segments
+
+    counts = [3, 0, 1, 5, 2]
+    gen = torch.Generator().manual_seed(88)
+    P = torch.randn(sum(counts), 2, 4, 4, generator=gen, dtype=torch.float64) * 0.5
+    R = torch.randn(sum(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(len(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
+    starts, finals = segments.chain_boundaries(P, R, S0, counts)
+    j = 0
+    for n, count in enumerate(counts):
+        S = S0[n]
+        for _ in range(count):
+            assert torch.allclose(starts[j], S, rtol=1e-12, atol=1e-12), (n, j)
+            S = P[j] @ S + R[j]
+            j += 1
+        assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
+
+
 def test_training_calls_and_short_sequences_are_not_split(monkeypatch):
     monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
     case = make_case(T=32, H=1, K=16, V=8, seed=82)
@@ -59,7 +108,7 @@ def test_automatic_split_rule_on_the_measured_cases():
     assert segments.auto_span([2097152], 8, 132) == L
     assert segments.auto_span([524288], 16, 132) == 0
     assert segments.auto_span([131072], 32, 132) == 0 and segments.auto_span([32768], 32, 132) == 0
-    long = segments.AUTO_MIN_SEGMENTS * L
+    long = segments.long_tokens()
     assert segments.auto_span([long - 16], 1, 132) == 0  # short of AUTO_MIN_SEGMENTS segments
     assert segments.auto_span([300] * 500 + [long], 8, 132) == L  # one long sequence among short ones
     assert segments.auto_span([long, long], 8, 132) == 0  # 16 chains: the uncut call fills enough SMs
@@ -79,15 +128,16 @@ def test_setting_unset_is_automatic_zero_is_off(monkeypatch):
 
 
 def test_no_automatic_split_off_the_cuda_path(monkeypatch):
-    """The automatic split was measured on the CUDA path only: CPU tensors, and Triton or torch
-    asked for by name, are never split unless KDA_SEGMENT_TOKENS asks."""
+    """The automatic split was measured on the CUDA path only: CPU tensors (auto, and torch or
+    Triton by name) are never split unless KDA_SEGMENT_TOKENS asks. (The GPU test below checks
+    Triton by name on GPU tensors, where only the backend check stands.)"""
     from kda import segments
 
     monkeypatch.delenv("KDA_SEGMENT_TOKENS", raising=False)
     monkeypatch.setattr(segments, "AUTO_SEGMENT_TOKENS", 32)
     monkeypatch.setattr(segments, "AUTO_MIN_SEGMENTS", 2)
     case = make_case(T=96, H=1, K=16, V=8, device=DEVICE, seed=85)
-    for backend in ("torch", "triton"):
+    for backend in ("auto", "torch", "triton"):
         with kda.record_dispatch() as events:
             kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
         assert not any(e.startswith("segments") for e in events), (backend, events)
@@ -122,3 +172,16 @@ def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
         # two bf16-input computations of the same function: each about 3e-3 from fp64
         moved = (rel(got[0], want[0]), rel(got[1], want[1]))
         assert max(moved) <= 1e-2, moved
+    # Triton by name on the same GPU inputs, and a CUDA-graph capture: never split automatically
+    # (the split copies its segment table to the device, which a capture refuses)
+    with kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), backend="triton", **case.kwargs())
+    assert not any(e.startswith("segments") for e in events), events
+    kw = case.kwargs()
+    kda.chunk_kda(*case.tensors(), **kw)  # (warm: the capture launches what is already loaded)
+    graph = torch.cuda.CUDAGraph()
+    with kda.record_dispatch() as events, torch.cuda.graph(graph):
+        captured = kda.chunk_kda(*case.tensors(), **kw)
+    graph.replay()
+    assert not any(e.startswith("segments") for e in events), events
+    assert rel(captured[0], want[0]) <= 1e-2, rel(captured[0], want[0])

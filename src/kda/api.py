@@ -115,32 +115,37 @@ def chunk_kda(
     span = segments.segment_tokens()
     # (the split needs the lengths on the host: a call that left them unchecked is not split)
     if span != 0 and not problem.requires_grad and not torch.compiler.is_compiling() and not problem.lengths_unchecked:
-        values = problem.cu_seqlens_values
-        lengths = [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
         why = segments.SETTING
-        if span is None:
-            span, why = _auto_segments(problem, backend, lengths)
-        if span and max(lengths, default=0) > span:
+        if span is None:  # (problem.longest first: a call too short to split pays no more host time)
+            span, why = _auto_segments(problem, backend) if problem.longest >= segments.long_tokens() else (0, "")
+        if span and problem.longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
-            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why)
+            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, _lengths(problem), span, why)
     return dispatch.select(problem, backend).run(problem)
 
 
-def _auto_segments(problem, backend: str, lengths: list[int]) -> tuple[int, str]:
+def _lengths(problem) -> list[int]:
+    values = problem.cu_seqlens_values
+    return [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
+
+
+def _auto_segments(problem, backend: str) -> tuple[int, str]:
     """The automatic split (``segments.auto_span``) of a call the CUDA path would run, the
-    only path it was measured on; (0, "") for any other."""
+    only path it was measured on, outside a CUDA-graph capture (the split copies its segment
+    table to the device, which a capture refuses); (0, "") for any other."""
     if backend not in ("auto", "cuda") or not problem.q.is_cuda:
         return 0, ""
-    cuda = dispatch.get_backend("cuda")
-    if dispatch.refusal(cuda, problem) is not None:
+    if dispatch.refusal(dispatch.get_backend("cuda"), problem) is not None:
         return 0, ""
-    from kda.cuda.forward import sm_count
+    from kda.cuda.forward import sm_count, stream_capturing
 
-    sms = sm_count(problem.q.device.index)
-    chains = segments.long_chains(lengths, problem.HV)
-    why = f"automatic: {chains} long (sequence, head) chains on {sms} SMs; {segments.SETTING}=0 turns it off"
-    return segments.auto_span(lengths, problem.HV, sms), why
+    index = problem.q.device.index
+    if stream_capturing(index):
+        return 0, ""
+    lengths, sms = _lengths(problem), sm_count(index)
+    why = f"automatic: {segments.long_chains(lengths, problem.HV)} long (sequence, head) chains on {sms} SMs"
+    return segments.auto_span(lengths, problem.HV, sms), f"{why}; {segments.SETTING}=0 turns it off"
 
 
 def fused_recurrent_kda(

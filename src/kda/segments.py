@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from kda.transitions import affine_transitions, kv_layout
+from kda.transitions import affine_transitions, kv_layout, state_dtype
 
 SETTING = "KDA_SEGMENT_TOKENS"
 
@@ -59,9 +59,14 @@ def segment_tokens() -> int | None:
     return tokens
 
 
+def long_tokens() -> int:
+    """The shortest sequence the automatic split counts as long (AUTO_MIN_SEGMENTS segments)."""
+    return AUTO_MIN_SEGMENTS * AUTO_SEGMENT_TOKENS
+
+
 def long_chains(lengths: list[int], value_heads: int) -> int:
     """(sequence, value head) pairs of the sequences the automatic split counts as long."""
-    return value_heads * sum(1 for n in lengths if n >= AUTO_MIN_SEGMENTS * AUTO_SEGMENT_TOKENS)
+    return value_heads * sum(1 for n in lengths if n >= long_tokens())
 
 
 def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
@@ -92,7 +97,7 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     as_kv, from_kv = kv_layout(v_first)
     h0 = kw.pop("initial_state", None)
     want_final = bool(kw.pop("output_final_state", False))
-    final_dtype = kw.get("final_state_dtype") or torch.float32
+    final_dtype = kw.get("final_state_dtype") or state_dtype(q)
 
     pieces = [[min(span, n - a) for a in range(0, n, span)] for n in lengths]  # segment lengths per sequence
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -103,22 +108,51 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
 
     P, R = affine_transitions(chunk_kda, *flat, kw, segs)
-    S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float32, device=q.device)
+    S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
     if h0 is not None:
-        S0 = as_kv(h0.float())
-    starts, finals, j = [], [], 0
-    for n, ps in enumerate(pieces):
-        S = S0[n]
-        for _ in ps:
-            starts.append(S)
-            S = P[j] @ S + R[j]
-            j += 1
-        finals.append(S)
-    start = from_kv(torch.stack(starts)) if starts else None
-    if start is not None and h0 is not None:
-        start = start.to(h0.dtype)
+        S0 = as_kv(h0).double()
+    starts, finals = chain_boundaries(P, R, S0, [len(ps) for ps in pieces])
     o = torch.zeros(1, 0, HV, V, dtype=q.dtype, device=q.device)
     if segs:
+        # the entering states in the full-precision state dtype, whatever h0's (a bf16 h0 is
+        # read as is; rounding each segment's start to bf16 would add 4e-4 to o)
+        start = from_kv(starts.to(state_dtype(q)))
         o, _ = chunk_kda(*flat, initial_state=start, output_final_state=False, **kw)
     o = o.reshape(B, T, HV, V)
-    return o, (from_kv(torch.stack(finals)).to(final_dtype) if want_final else None)
+    return o, (from_kv(finals).to(final_dtype) if want_final else None)
+
+
+def chain_boundaries(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state entering every segment and each sequence's final state: ``S_{j+1} = P_j S_j +
+    R_j`` from ``S0[n]`` over sequence n's ``counts[n]`` segments (P ``[segs, HV, K, K]``, R
+    ``[segs, HV, K, V]``, sequence by sequence), in float64: the products are few (one a
+    segment), and float64 keeps them exact to the transitions' own rounding whatever torch's
+    float32 matmul precision is set to (TF32 would put 1e-3 into every boundary state).
+
+    All sequences step together, one batched product a step: the sequences sorted by segment
+    count, longest first, so that those still going at step j are a prefix (a batch of many
+    short sequences and one long one takes as many steps as the long one has segments)."""
+    N = len(counts)
+    first = [0] * N
+    for n in range(1, N):
+        first[n] = first[n - 1] + counts[n - 1]
+    order = sorted(range(N), key=lambda n: -counts[n])
+    steps = counts[order[0]] if N else 0
+    active = [sum(1 for n in order if counts[n] > j) for j in range(steps)]
+    gather = [first[n] + j for j in range(steps) for n in order[: active[j]]]  # segment ids, step by step
+    index = torch.tensor(order + gather, dtype=torch.int64).to(S0.device)  # one host-to-device copy
+    order_t, gather_t = index[:N], index[N:]
+    P, R = P[gather_t].double(), R[gather_t].double()
+    S = S0.double()[order_t]
+    starts = torch.empty_like(R)
+    at = 0
+    for a in active:
+        starts[at : at + a] = S[:a]
+        stepped = torch.baddbmm(R[at : at + a].flatten(0, 1), P[at : at + a].flatten(0, 1), S[:a].flatten(0, 1))
+        S[:a] = stepped.view_as(S[:a])
+        at += a
+    in_order = torch.empty_like(starts)
+    in_order[gather_t] = starts
+    finals = torch.empty_like(S)
+    finals[order_t] = S
+    return in_order, finals

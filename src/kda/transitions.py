@@ -25,21 +25,31 @@ def kv_layout(v_first: bool):
     return as_kv, from_kv
 
 
+def state_dtype(x: torch.Tensor) -> torch.dtype:
+    """The full-precision state dtype of inputs like ``x``: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P [N, HV, K, K], R [N, HV, K, V])``, float32, of each of the N sequences of the call
+    """``(P [N, HV, K, K], R [N, HV, K, V])`` in the full-precision state dtype (float32, or
+    float64 for float64 inputs) of each of the N sequences of the call
     ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state)."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
+    dtype = state_dtype(q)
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
-    zeros = torch.zeros(N, HV, K, V, dtype=torch.float32, device=q.device)
-    _, R = chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)
-    R = as_kv(R.float())
-    P = torch.empty(N, HV, K, K, dtype=torch.float32, device=q.device)
-    eye = torch.eye(K, dtype=torch.float32, device=q.device)
+    # a caller's bf16 final_state_dtype is for its own final state, not for P and R (it would
+    # round every transition to 8 bits)
+    kw = dict(kw, final_state_dtype=None)
+    zeros = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
+    # ([1]: the outputs of these runs are not kept, so one is alive at a time)
+    R = as_kv(chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)[1])
+    P = torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
+    eye = torch.eye(K, dtype=dtype, device=q.device)
     v0 = torch.zeros_like(v)
     for c0 in range(0, K, V):
         cols = min(V, K - c0)
         start = zeros.clone()
         start[..., :cols] = eye[:, c0 : c0 + cols]
-        _, out = chunk_kda(q, k, v0, g, beta, initial_state=from_kv(start), output_final_state=True, **kw)
-        P[..., c0 : c0 + cols] = as_kv(out.float())[..., :cols]
+        out = chunk_kda(q, k, v0, g, beta, initial_state=from_kv(start), output_final_state=True, **kw)[1]
+        P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
     return P, R
