@@ -115,10 +115,10 @@ def chunk_kda(
     span = segments.segment_tokens()
     # (the split needs the lengths on the host: a call that left them unchecked is not split)
     if span != 0 and not problem.requires_grad and not torch.compiler.is_compiling() and not problem.lengths_unchecked:
-        why = segments.SETTING
-        if span is None:  # (problem.longest first: a call too short to split pays no more host time)
-            span, why = _auto_segments(problem, backend) if problem.longest >= segments.long_tokens() else (0, "")
-        if span and problem.longest > span:
+        why, longest = segments.SETTING, problem.longest
+        if span is None:  # (the length first: a call too short to split pays no more host time)
+            span, why = _auto_segments(problem, backend) if longest >= segments.long_tokens() else (0, "")
+        if span and longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
             return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, _lengths(problem), span, why)

@@ -22,11 +22,13 @@ records ``segments:<L>``.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 
-from kda.transitions import affine_transitions, kv_layout, state_dtype
+from kda.transitions import affine_transitions, kv_layout
+from kda.validation import STATE_DTYPES
 
 SETTING = "KDA_SEGMENT_TOKENS"
 
@@ -97,7 +99,8 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     as_kv, from_kv = kv_layout(v_first)
     h0 = kw.pop("initial_state", None)
     want_final = bool(kw.pop("output_final_state", False))
-    final_dtype = kw.get("final_state_dtype") or state_dtype(q)
+    full = STATE_DTYPES[q.dtype][0]  # the full-precision state dtype: float32, or float64 for float64 inputs
+    final_dtype = kw.get("final_state_dtype") or full
 
     pieces = [[min(span, n - a) for a in range(0, n, span)] for n in lengths]  # segment lengths per sequence
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -116,7 +119,7 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     if segs:
         # the entering states in the full-precision state dtype, whatever h0's (a bf16 h0 is
         # read as is; rounding each segment's start to bf16 would add 4e-4 to o)
-        start = from_kv(starts.to(state_dtype(q)))
+        start = from_kv(starts.to(full))
         o, _ = chunk_kda(*flat, initial_state=start, output_final_state=False, **kw)
     o = o.reshape(B, T, HV, V)
     return o, (from_kv(finals).to(final_dtype) if want_final else None)
@@ -133,12 +136,14 @@ def chain_boundaries(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.T
     count, longest first, so that those still going at step j are a prefix (a batch of many
     short sequences and one long one takes as many steps as the long one has segments)."""
     N = len(counts)
-    first = [0] * N
-    for n in range(1, N):
-        first[n] = first[n - 1] + counts[n - 1]
+    first = list(itertools.accumulate(counts, initial=0))
     order = sorted(range(N), key=lambda n: -counts[n])
     steps = counts[order[0]] if N else 0
-    active = [sum(1 for n in order if counts[n] > j) for j in range(steps)]
+    active, going = [], N  # active[j]: the sequences with more than j segments (a prefix of order)
+    for j in range(steps):
+        while counts[order[going - 1]] <= j:
+            going -= 1
+        active.append(going)
     gather = [first[n] + j for j in range(steps) for n in order[: active[j]]]  # segment ids, step by step
     index = torch.tensor(order + gather, dtype=torch.int64).to(S0.device)  # one host-to-device copy
     order_t, gather_t = index[:N], index[N:]

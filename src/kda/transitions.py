@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kda.validation import STATE_DTYPES
+
 
 def kv_layout(v_first: bool):
     """``(as_kv, from_kv)``: a state in the caller's layout to ``[.., K, V]`` and back."""
@@ -25,17 +27,12 @@ def kv_layout(v_first: bool):
     return as_kv, from_kv
 
 
-def state_dtype(x: torch.Tensor) -> torch.dtype:
-    """The full-precision state dtype of inputs like ``x``: float64 for float64, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P [N, HV, K, K], R [N, HV, K, V])`` in the full-precision state dtype (float32, or
     float64 for float64 inputs) of each of the N sequences of the call
     ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state)."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
-    dtype = state_dtype(q)
+    dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
     # a caller's bf16 final_state_dtype is for its own final state, not for P and R (it would
     # round every transition to 8 bits)
