@@ -104,15 +104,18 @@ def test_automatic_split_rule_on_the_measured_cases():
     runs 18 and 50): 1x2097152 H8 split, 1x524288 H16 and the H32 cases not."""
     from kda import segments
 
-    L = segments.AUTO_SEGMENT_TOKENS
-    assert segments.auto_span([2097152], 8, 132) == L
+    # the lengths run 51 found fastest: 16384 at 2M tokens, 4096 at 131072 and 524288
+    assert segments.auto_span([2097152], 8, 132) == 16384
+    assert segments.auto_span([524288], 8, 132) == 4096 and segments.auto_span([131072], 8, 132) == 4096
+    assert segments.auto_span([8 * 2097152], 8, 132) == 65536  # past the last length: the longest
     assert segments.auto_span([524288], 16, 132) == 0
     assert segments.auto_span([131072], 32, 132) == 0 and segments.auto_span([32768], 32, 132) == 0
     long = segments.long_tokens()
     assert segments.auto_span([long - 16], 1, 132) == 0  # short of AUTO_MIN_SEGMENTS segments
-    assert segments.auto_span([300] * 500 + [long], 8, 132) == L  # one long sequence among short ones
+    # one long sequence among short ones: only the long one's segments count
+    assert segments.auto_span([300] * 500 + [long], 8, 132) == segments.AUTO_SPANS[0]
     assert segments.auto_span([long, long], 8, 132) == 0  # 16 chains: the uncut call fills enough SMs
-    assert segments.auto_span([long, long], 8, 264) == L  # a GPU of twice the SMs
+    assert segments.auto_span([long, long], 8, 264) == segments.AUTO_SPANS[0]  # a GPU of twice the SMs
     assert segments.auto_span([], 8, 132) == 0
 
 
@@ -135,6 +138,7 @@ def test_no_automatic_split_off_the_cuda_path(monkeypatch):
 
     monkeypatch.delenv("KDA_SEGMENT_TOKENS", raising=False)
     monkeypatch.setattr(segments, "AUTO_SEGMENT_TOKENS", 32)
+    monkeypatch.setattr(segments, "AUTO_SPANS", (32,))
     monkeypatch.setattr(segments, "AUTO_MIN_SEGMENTS", 2)
     case = make_case(T=96, H=1, K=16, V=8, device=DEVICE, seed=85)
     for backend in ("auto", "torch", "triton"):
@@ -146,7 +150,7 @@ def test_no_automatic_split_off_the_cuda_path(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     """A call the CUDA path runs, one long sequence and one head: split automatically (at the
-    real constants, 8 segments of 16384 tokens; and at small ones), said in the dispatch
+    real constants, 131152 tokens; and at small ones), at auto_span's length, said in the dispatch
     events, with the uncut call's results; KDA_SEGMENT_TOKENS=0 keeps it uncut."""
     import torch
 
@@ -156,9 +160,13 @@ def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     if cuda_ready.args[0]:
         pytest.skip(cuda_ready.kwargs["reason"])
     monkeypatch.delenv("KDA_SEGMENT_TOKENS", raising=False)
-    L = segments.AUTO_SEGMENT_TOKENS
-    for span, T in ((L, segments.AUTO_MIN_SEGMENTS * L + 80), (64, 64 * segments.AUTO_MIN_SEGMENTS + 40)):
-        monkeypatch.setattr(segments, "AUTO_SEGMENT_TOKENS", span)
+    L, sms = segments.AUTO_SEGMENT_TOKENS, torch.cuda.get_device_properties(0).multi_processor_count
+    for unit, spans in ((L, segments.AUTO_SPANS), (64, (64, 128))):
+        monkeypatch.setattr(segments, "AUTO_SEGMENT_TOKENS", unit)
+        monkeypatch.setattr(segments, "AUTO_SPANS", spans)
+        T = segments.AUTO_MIN_SEGMENTS * unit + 80
+        span = segments.auto_span([T], 1, sms)  # (the real constants: 4096 on 132 SMs)
+        assert span in spans, span
         case = make_case(T=T, H=1, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=86)
         case.g = case.g - 6.0  # long memory: a segment's entering state carries through it
         with kda.record_dispatch() as events:

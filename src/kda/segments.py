@@ -37,7 +37,15 @@ SETTING = "KDA_SEGMENT_TOKENS"
 # kda.cuda.forward.recurrence_warps): on 1x2097152 H8 (32 CTAs on 132 SMs) segments of 16384
 # tokens took 63.1 ms against 94.6 uncut (4096: 67.1, 65536: 71.9; fla 90.0); on 1x524288 H16
 # (64 CTAs) the split lost at every length (33.0 against 26.1 uncut), and at H32 by 2x or more.
+# A sequence counts as long from AUTO_MIN_SEGMENTS segments of this length.
 AUTO_SEGMENT_TOKENS = 16384
+# The length itself follows the long sequences' segments (run 51, 2026-12-03, H8): about eight
+# segment chains an SM was best at every length measured: 4096 tokens on 131072 and 524288
+# (4.751 and 16.863 ms against 5.147 and 17.630 at 16384), 16384 on 2097152 (63.4 against 67.0
+# at 4096 and 71.6 at 65536). So: the shortest of AUTO_SPANS whose long-sequence segment
+# chains are at most AUTO_CHAINS_PER_SM a SM, else the longest.
+AUTO_SPANS = (4096, 8192, 16384, 32768, 65536)
+AUTO_CHAINS_PER_SM = 8
 # Split when the long sequences' (sequence, value head) pairs are at most one per this many
 # SMs (8 on 132 SMs: H8 split, H16 not) ...
 AUTO_SMS_PER_PAIR = 16
@@ -73,10 +81,17 @@ def long_chains(lengths: list[int], value_heads: int) -> int:
 
 def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
     """The automatic segment length for sequences of ``lengths`` tokens with ``value_heads``
-    heads on ``sms`` SMs: AUTO_SEGMENT_TOKENS where the long sequences' chains are few enough
-    that the split's parallelism pays for its threefold arithmetic, else 0 (no split)."""
+    heads on ``sms`` SMs where the long sequences' chains are few enough that the split's
+    parallelism pays for its threefold arithmetic (the shortest of AUTO_SPANS that gives
+    them at most AUTO_CHAINS_PER_SM segment chains an SM), else 0 (no split)."""
     chains = long_chains(lengths, value_heads)
-    return AUTO_SEGMENT_TOKENS if chains and chains * AUTO_SMS_PER_PAIR <= sms else 0
+    if not chains or chains * AUTO_SMS_PER_PAIR > sms:
+        return 0
+    longs = [n for n in lengths if n >= long_tokens()]
+    for span in AUTO_SPANS:
+        if value_heads * sum(-(-n // span) for n in longs) <= AUTO_CHAINS_PER_SM * sms:
+            return span
+    return AUTO_SPANS[-1]
 
 
 def sequence_lengths(q: torch.Tensor, cu_seqlens, cu_seqlens_cpu) -> list[int]:
