@@ -157,3 +157,21 @@ fi
 if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
+if [[ $step == *decodeab* ]]; then  # decode.cu builds A/B'd: DECODE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
+  for round in 1 2; do
+    for dir in ${DECODE_AB_DIRS:-.kernels}; do
+      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/decode_ab.py "$dir" ${DECODE_AB_SIZES:-32 256 1024} \
+        >> "$OUT/decode-ab.jsonl" 2>> "$OUT/decode-ab.log"
+    done
+  done
+  python3 - "$OUT/decode-ab.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+labels = list(dict.fromkeys(r["label"] for r in rows))
+print("graph ms per build (round 1 / round 2):", " | ".join(labels))
+for key in rows[0]["ms"] if rows else []:
+    print(key, " | ".join(" / ".join(f"{r['ms'][key]:.4f}" for r in rows if r["label"] == label) for label in labels))
+for r in rows:
+    print(r["label"], "err vs triton (o, state):", {k: tuple(f"{x:.1e}" for x in v) for k, v in r["err"].items()})
+PY
+fi

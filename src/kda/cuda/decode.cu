@@ -27,8 +27,19 @@
 // never written, so no index reaches memory outside the pool.
 #include "kda_cuda.cuh"
 
+// Variants for an A/B on the H200 (2026-12-03): the slice staged, and the final state stored,
+// through the bulk-copy unit instead of 16-byte copies a thread.
+#ifndef KDA_DECODE_BULK_LOAD
+#define KDA_DECODE_BULK_LOAD 0
+#endif
+#ifndef KDA_DECODE_BULK_STORE
+#define KDA_DECODE_BULK_STORE 0
+#endif
+
 namespace kda {
 namespace {
+
+constexpr bool kBulkLoad = KDA_DECODE_BULK_LOAD, kBulkStore = KDA_DECODE_BULK_STORE;
 
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
@@ -112,7 +123,7 @@ struct Ownership {
 // bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64.
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
-  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV);
+  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8;
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
@@ -139,7 +150,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   __shared__ float4 s_vec[kHeadDim];
   __shared__ float s_sums[kDecodeWarps][3];
   __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
-  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) == decode_shared_bytes<E, BV>(),
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) == decode_shared_bytes<E, BV>(),
                 "decode_shared_bytes counts every array");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -171,16 +182,45 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const int64_t slot_elements = HV * kHeadElements;
   const int64_t head_origin = i_hv * kHeadElements;
   const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
+  // Piece i of the slice (BV values; see the staging below), from the head's state origin.
+  const auto piece_offset = [&](int i) {
+    return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
+  };
 
-  // Stage the thread's runs (zeros without an initial state or a slot).
-  {
-    const bool read = (flags & kHasH0) && in_pool(first);
-    const E* src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
+  // Stage the slice (zeros without an initial state or a slot).
+  const bool read = (flags & kHasH0) && in_pool(first);
+  const E* const src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
+  __shared__ uint64_t staged_bar;  // bulk staging: the slice's bytes land on it
+  if constexpr (kBulkLoad) {
+    // The slice as 128 pieces of BV values, one a thread (rows of a [K, V] slice; a [V, K]
+    // slice is one contiguous block, cut the same way), through the bulk-copy unit: no
+    // per-run copy instructions on the L1 pipe.
+    if (read) {  // (CTA-uniform)
+      if (tid == 0) {
+        cute::initialize_barrier(staged_bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
+      }
+      __syncthreads();  // initialised, and the byte count posted, before any piece is issued
+      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+    } else {
+#pragma unroll 1
+      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
+    }
+  } else {
 #pragma unroll 1
     for (int r = 0; r < kRuns; ++r)  // (nothing read: any valid address, never h0, which may be null)
       copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : reinterpret_cast<const E*>(p.q), read);
     cute::cp_async_fence();
   }
+  // Wait for the staged slice (without bulk copies: the thread's own runs, all it reads).
+  const auto wait_staged = [&] {
+    if constexpr (kBulkLoad) {
+      if (read) mbarrier_wait(staged_bar, 0);
+    } else {
+      cute::cp_async_wait<0>();
+    }
+  };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
     return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
@@ -217,8 +257,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
     const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
     s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
-    if (!staged) {  // the thread's own runs: it reads no others
-      cute::cp_async_wait<0>();
+    if (!staged) {
+      wait_staged();
       staged = true;
     }
     __syncthreads();
@@ -306,6 +346,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // this token's state is stored (every token's with 2-D indices, else the last one's).
     const bool last = t + 1 == eos;
     E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+    // The final state through shared memory and the bulk-copy unit (CTA-uniform)
+    const bool bulk_store = kBulkStore && mode != 2 && last && dst != nullptr;
     // (unrolled for [V, K] states, whose columns are indexed by r)
 #pragma unroll(VFirst ? kRuns : 1)
     for (int r = 0; r < kRuns; ++r) {
@@ -318,15 +360,22 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
       const uint4 updated = R::pack(x);
-      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
-      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
+      if (!last || bulk_store) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
+      if (dst != nullptr && !bulk_store) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
+    }
+    if (bulk_store) {
+      cute::tma_store_fence();  // the shared writes, visible to the bulk-copy unit
+      __syncthreads();
+      cute::SM90_BULK_COPY_S2G::copy(tile + tid * BV, dst + piece_offset(tid), BV * int(sizeof(E)));
+      cute::tma_store_arrive();
+      cute::tma_store_wait<0>();  // the tile is read before the CTA leaves
     }
     if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
   }
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
   if (bos == eos && store_ht && p.h0 != p.ht) {
-    cute::cp_async_wait<0>();
+    wait_staged();
     E* dst = destination(first);
     if (dst != nullptr)
 #pragma unroll 1
