@@ -35,11 +35,15 @@
 #ifndef KDA_DECODE_BULK_STORE
 #define KDA_DECODE_BULK_STORE 0
 #endif
+#ifndef KDA_DECODE_BULK_HALVES  // bulk staging on two barriers: pass 1 starts on the first half
+#define KDA_DECODE_BULK_HALVES 0
+#endif
 
 namespace kda {
 namespace {
 
 constexpr bool kBulkLoad = KDA_DECODE_BULK_LOAD, kBulkStore = KDA_DECODE_BULK_STORE;
+constexpr int kStageParts = KDA_DECODE_BULK_HALVES ? 2 : 1;
 
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
@@ -190,19 +194,21 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   // Stage the slice (zeros without an initial state or a slot).
   const bool read = (flags & kHasH0) && in_pool(first);
   const E* const src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
-  __shared__ uint64_t staged_bar;  // bulk staging: the slice's bytes land on it
+  __shared__ uint64_t staged_bar[kStageParts];  // bulk staging: the slice's bytes land on it
   if constexpr (kBulkLoad) {
     // The slice as 128 pieces of BV values, one a thread (rows of a [K, V] slice; a [V, K]
     // slice is one contiguous block, cut the same way), through the bulk-copy unit: no
     // per-run copy instructions on the L1 pipe.
     if (read) {  // (CTA-uniform)
       if (tid == 0) {
-        cute::initialize_barrier(staged_bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
+        for (int part = 0; part < kStageParts; ++part) {
+          cute::initialize_barrier(staged_bar[part], 1);
+          asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+          cute::set_barrier_transaction_bytes(staged_bar[part], kHeadDim / kStageParts * BV * int(sizeof(E)));
+        }
       }
       __syncthreads();  // initialised, and the byte count posted, before any piece is issued
-      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar[tid / (kHeadDim / kStageParts)], tile + tid * BV, BV * int(sizeof(E)));
     } else {
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
@@ -213,13 +219,20 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : reinterpret_cast<const E*>(p.q), read);
     cute::cp_async_fence();
   }
-  // Wait for the staged slice (without bulk copies: the thread's own runs, all it reads).
-  const auto wait_staged = [&] {
+  // Wait for parts [from, to) of the staged slice (without bulk copies: the thread's own runs,
+  // all it reads, in one part).
+  const auto wait_staged = [&](int from, int to) {
     if constexpr (kBulkLoad) {
-      if (read) mbarrier_wait(staged_bar, 0);
+      if (read)
+        for (int part = from; part < to; ++part) mbarrier_wait(staged_bar[part], 0);
     } else {
       cute::cp_async_wait<0>();
     }
+  };
+  // With two parts, pass 1 of the first token reads the second half (runs kRuns / 2 on: rows
+  // 64.. of a [K, V] slice, columns BV / 2.. of a [V, K] one) after waiting for it.
+  const auto wait_second_half = [&](int r, bool staged) {
+    if (kStageParts == 2 && r == kRuns / 2 && !staged) wait_staged(1, 2);
   };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
@@ -258,8 +271,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
     s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
     if (!staged) {
-      wait_staged();
-      staged = true;
+      wait_staged(0, 1);
+      staged = kStageParts == 1;  // (else after pass 1, which waits for the second half)
     }
     __syncthreads();
     float qq = 0.f, kk = 0.f, qk = 0.f;
@@ -284,6 +297,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
+        wait_second_half(r, staged);
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
@@ -301,6 +315,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     } else {
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) {
+        wait_second_half(r, staged);
         const float4 vec = s_vec[own.tk + kThreadsK * r];
         float x[kVec];
         R::unpack(run(r), x);
@@ -332,6 +347,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         }
       }
     }
+    if constexpr (kStageParts == 2) staged = true;
     // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
     // and the new state S d + k^ u^T = S d + k (rk u)^T.
     float u_k[kColumns];
@@ -375,7 +391,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
   if (bos == eos && store_ht && p.h0 != p.ht) {
-    wait_staged();
+    wait_staged(0, kStageParts);
     E* dst = destination(first);
     if (dst != nullptr)
 #pragma unroll 1
