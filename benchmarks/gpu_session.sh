@@ -11,7 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 # Kernels built on the CPU machine from this tree (its nvcc 13.0), carried in .kernels: the steps
 # that do not install the package (no `cuda` or `wheel` step) load them from there.
-[[ -d .kernels ]] && export KDA_CUDA_KERNELS_DIR=$PWD/.kernels
+# KERNELS names another carried build (a variant under test).
+[[ -d ${KERNELS:-.kernels} ]] && export KDA_CUDA_KERNELS_DIR=$PWD/${KERNELS:-.kernels}
 # Autotune results on disk, kept between calls (fla retunes for minutes per new head count):
 # the previous call's $OUT/triton-autotune.tgz, carried in .whl, is unpacked first.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
