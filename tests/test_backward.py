@@ -50,7 +50,25 @@ SHARED = ("A_log", "dt_bias")  # parameters every token shares: their gradients 
 VANISHING = 1e-6  # a reference gradient of RMS below this is, in exact arithmetic, (nearly) zero
 
 
-def fp32_bars(case, ref: dict, **kw) -> dict:
+def shared_terms(case, ref: dict) -> dict:
+    """The per-element terms whose sums are the shared parameters' gradients, in float64, from
+    the reference gradient of the raw gate g (the chain rule of the in-kernel gate): dt_bias
+    sums dg over tokens; A_log sums dg (g + dt_bias) for the lower-bound gate and
+    dg softplus(x) / sigmoid(x) (x = g + dt_bias) for softplus."""
+    dg = ref["g"].double().cpu()
+    HV, K = dg.shape[-2:]
+    x = case.g.double().cpu()
+    if case.dt_bias is not None:
+        x = x + case.dt_bias.double().cpu().reshape(HV, K)
+    terms = {"dt_bias": dg}
+    if case.gate == "lower_bound":
+        terms["A_log"] = dg * x
+    else:  # softplus(x) / sigmoid(x) = softplus(x) (1 + e^-x), near 1 for x << 0
+        terms["A_log"] = dg * torch.nn.functional.softplus(x) * (1 + torch.exp(-x.clamp(min=-600)))
+    return terms
+
+
+def fp32_bars(case, ref: dict, got: dict | None = None, **kw) -> dict:
     """FP32_BAR for every gradient, except where float32 itself cannot form a gradient to it;
     there the bar is three times the error of the torch chunk form run in float32 on the same
     inputs, when that error passes FP32_BAR:
@@ -61,13 +79,24 @@ def fp32_bars(case, ref: dict, **kw) -> dict:
     - a gradient that vanishes (RMS below VANISHING: the gate of a token before which the state
       is zero, or of a saturated sigmoid) is formed as a difference of cumulative-decay terms
       that float32 rounds to 1e-12 rather than to 0 (2026-12-01: 2 tokens, no initial state, the
-      second gate saturated; Triton's dg 1e-11, the torch chunk form's 1e-9)."""
+      second gate saturated; Triton's dg 1e-11, the torch chunk form's 1e-9).
+    One float32 sample of the torch form can be lucky (run 52, 2026-12-03: lens [11, 21, 10],
+    dA_log -9.1e-3 from terms of norm 1.23, torch float32 off by 3e-5 on the GPU, Triton by
+    1.7e-4, its dg by 1.4e-6): so a shared parameter's bar is also at least three times the
+    error that ``got``'s own dg error carries into the sum, dg's relative error times the norm
+    of the sum's terms over the sum (dg itself is held to FP32_BAR)."""
     bars = dict.fromkeys(ref, FP32_BAR)
     loose = [n for n, r in ref.items() if n in SHARED or r.double().pow(2).mean().sqrt() < VANISHING]
     if loose:
         plain = gradients(case.to(torch.float32), "torch", **kw)
         for name in loose:
             bars[name] = max(FP32_BAR, 3 * relative_error(plain[name], ref[name]))
+    if got is not None and "g" in got and any(n in ref for n in SHARED):
+        dg_error = relative_error(got["g"], ref["g"])
+        for name, terms in shared_terms(case, ref).items():
+            if name in ref:
+                carried = dg_error * terms.norm().item() / max(ref[name].double().norm().item(), TINY)
+                bars[name] = max(bars[name], 3 * carried)
     return bars
 
 
@@ -103,7 +132,8 @@ def test_triton_gradients_match_fp64(lens, gate, K, V, group, layout, l2norm, be
         over["allow_neg_eigval"] = beta_form == "neg_eigval"
     kw = dict(final_state_grad=final_state == "grad", seed=seed, **over)
     ref = fp64_gradients(case, **kw)
-    assert_gradients_close(gradients(case, "triton", **kw), ref, fp32_bars(case, ref, **kw))
+    got = gradients(case, "triton", **kw)
+    assert_gradients_close(got, ref, fp32_bars(case, ref, got, **kw))
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -347,7 +377,8 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
     (equal to the token loop's to 1e-15: tests/test_reference.py)."""
     case = make_case(T=T, H=H, HV=H * group, K=D, V=D, gate=gate, state_v_first=layout, device="cuda", seed=seed)
     ref = gradients(case.to(torch.float64), "torch")
-    assert_gradients_close(gradients(case, "triton"), ref, fp32_bars(case, ref))
+    got = gradients(case, "triton")
+    assert_gradients_close(got, ref, fp32_bars(case, ref, got))
 
 
 @pytest.mark.gpu
@@ -442,7 +473,8 @@ def test_triton_gradients_through_hard_resets(gate, value):
     for t, hv, channels in ((0, 0, [0]), (5, 1, [1, 2]), (15, 0, [3]), (16, 1, list(range(16))), (44, 0, [5])):
         case.g[0, t, hv, channels] = value
     ref = fp64_gradients(case)
-    assert_gradients_close(gradients(case, "triton"), ref, fp32_bars(case, ref))
+    got = gradients(case, "triton")
+    assert_gradients_close(got, ref, fp32_bars(case, ref, got))
 
 
 def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -5,10 +5,10 @@
 //
 // A decode step is a copy of the states with a little arithmetic: it runs at the rate of the
 // state bytes it keeps in flight and of the shared-memory and issue slots it spends per
-// element. The slice arrives by cp.async into shared memory, so the bytes in flight hold no
-// registers (ten 16 KB bf16 slices an SM at 64 columns, five 32 KB heads at 128). Each thread owns 16-byte runs of the slice, contiguous in
-// memory and adjacent across a warp for either layout: it copies them itself (so it waits for
-// its own copies only, with no barrier) and reads and writes them with 16-byte accesses; the
+// element. The slice arrives in shared memory by bulk (TMA) copies, so the bytes in flight
+// hold no registers and no copy instructions (ten 16 KB slices an SM at 64 bf16 or 32 float32
+// columns). Each thread owns 16-byte runs of the slice, contiguous in memory and adjacent
+// across a warp for either layout, and reads and writes them with 16-byte accesses; the
 // token's per-K vectors (decay d, k, d k, d q) are one 16-byte broadcast read a run.
 // (benchmarks/NOTES.md, 2026-12-02, has the versions measured: one thread a column with
 // scalar reads had ncu's L1/shared pipe 93% busy at 56% of DRAM bandwidth; the runs held in
@@ -27,23 +27,9 @@
 // never written, so no index reaches memory outside the pool.
 #include "kda_cuda.cuh"
 
-// Variants for an A/B on the H200 (2026-12-03): the slice staged, and the final state stored,
-// through the bulk-copy unit instead of 16-byte copies a thread.
-#ifndef KDA_DECODE_BULK_LOAD
-#define KDA_DECODE_BULK_LOAD 0
-#endif
-#ifndef KDA_DECODE_BULK_STORE
-#define KDA_DECODE_BULK_STORE 0
-#endif
-#ifndef KDA_DECODE_BULK_HALVES  // bulk staging on two barriers: pass 1 starts on the first half
-#define KDA_DECODE_BULK_HALVES 0
-#endif
-
 namespace kda {
 namespace {
 
-constexpr bool kBulkLoad = KDA_DECODE_BULK_LOAD, kBulkStore = KDA_DECODE_BULK_STORE;
-constexpr int kStageParts = KDA_DECODE_BULK_HALVES ? 2 : 1;
 
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
@@ -132,9 +118,10 @@ constexpr int decode_shared_bytes() {
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
   const int ctas = (228 * 1024) / (decode_shared_bytes<E, BV>() + 1024);
-  // [V, K] float32 64 columns: 91 registers unbounded, so five (at six it spilled 16 B); [V, K]
-  // 128 columns: four (bf16 spilled 20 B at five; float32 holds three by its shared memory)
-  const int most = !VFirst ? 10 : BV == 128 ? 4 : (sizeof(E) == 4 && BV == 64) ? 5 : 6;
+  // [V, K] 64 columns: five (float32: 91 registers unbounded, at six it spilled 16 B; bf16 with
+  // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
+  // 20 B at five; float32 holds three by its shared memory)
+  const int most = !VFirst ? 10 : BV == 128 ? 4 : BV == 64 ? 5 : 6;
   return ctas < most ? ctas : most;
 }
 
@@ -154,8 +141,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   __shared__ float4 s_vec[kHeadDim];
   __shared__ float s_sums[kDecodeWarps][3];
   __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
-  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) == decode_shared_bytes<E, BV>(),
-                "decode_shared_bytes counts every array");
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) ==
+                    decode_shared_bytes<E, BV>(),
+                "decode_shared_bytes counts every array (and the staging barrier)");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
@@ -191,48 +179,31 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
 
-  // Stage the slice (zeros without an initial state or a slot).
-  const bool read = (flags & kHasH0) && in_pool(first);
-  const E* const src = static_cast<const E*>(p.h0) + (read ? first * slot_elements + head_origin : 0);
-  __shared__ uint64_t staged_bar[kStageParts];  // bulk staging: the slice's bytes land on it
-  if constexpr (kBulkLoad) {
-    // The slice as 128 pieces of BV values, one a thread (rows of a [K, V] slice; a [V, K]
-    // slice is one contiguous block, cut the same way), through the bulk-copy unit: no
-    // per-run copy instructions on the L1 pipe.
-    if (read) {  // (CTA-uniform)
-      if (tid == 0) {
-        for (int part = 0; part < kStageParts; ++part) {
-          cute::initialize_barrier(staged_bar[part], 1);
-          asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-          cute::set_barrier_transaction_bytes(staged_bar[part], kHeadDim / kStageParts * BV * int(sizeof(E)));
-        }
-      }
-      __syncthreads();  // initialised, and the byte count posted, before any piece is issued
-      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar[tid / (kHeadDim / kStageParts)], tile + tid * BV, BV * int(sizeof(E)));
-    } else {
-#pragma unroll 1
-      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
+  // Stage the slice (zeros without an initial state or a slot) as 128 pieces of BV values, one
+  // a thread (rows of a [K, V] slice; a [V, K] slice is one contiguous block, cut the same way),
+  // through the bulk-copy unit onto one mbarrier. (16-byte cp.async copies a thread, each
+  // waiting for its own runs, cost 15 instructions a run on the L1 pipe: on the H200, run 52,
+  // the bulk copies took fp32 N=32 from 0.0416 to 0.0402 ms, bf16 N=256 at 64 columns from
+  // 0.1590 to 0.1476; benchmarks/NOTES.md, 2026-12-03.)
+  const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
+  __shared__ uint64_t staged_bar;
+  if (read) {
+    if (tid == 0) {
+      cute::initialize_barrier(staged_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
     }
+    __syncthreads();  // initialised, and the byte count posted, before any piece is issued
+    const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin + piece_offset(tid);
+    cute::SM90_BULK_COPY_G2S::copy(src, &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
   } else {
 #pragma unroll 1
-    for (int r = 0; r < kRuns; ++r)  // (nothing read: any valid address, never h0, which may be null)
-      copy_async_16(tile + own.shared(r), read ? src + own.offset(r, v0) : reinterpret_cast<const E*>(p.q), read);
-    cute::cp_async_fence();
+    for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
   }
-  // Wait for parts [from, to) of the staged slice (without bulk copies: the thread's own runs,
-  // all it reads, in one part).
-  const auto wait_staged = [&](int from, int to) {
-    if constexpr (kBulkLoad) {
-      if (read)
-        for (int part = from; part < to; ++part) mbarrier_wait(staged_bar[part], 0);
-    } else {
-      cute::cp_async_wait<0>();
-    }
-  };
-  // With two parts, pass 1 of the first token reads the second half (runs kRuns / 2 on: rows
-  // 64.. of a [K, V] slice, columns BV / 2.. of a [V, K] one) after waiting for it.
-  const auto wait_second_half = [&](int r, bool staged) {
-    if (kStageParts == 2 && r == kRuns / 2 && !staged) wait_staged(1, 2);
+  // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
+  // each thread's own runs, all it reads before the first CTA barrier)
+  const auto wait_staged = [&] {
+    if (read) mbarrier_wait(staged_bar, 0);
   };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
@@ -271,8 +242,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
     s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
     if (!staged) {
-      wait_staged(0, 1);
-      staged = kStageParts == 1;  // (else after pass 1, which waits for the second half)
+      wait_staged();
+      staged = true;
     }
     __syncthreads();
     float qq = 0.f, kk = 0.f, qk = 0.f;
@@ -297,7 +268,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
-        wait_second_half(r, staged);
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
@@ -315,7 +285,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     } else {
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) {
-        wait_second_half(r, staged);
         const float4 vec = s_vec[own.tk + kThreadsK * r];
         float x[kVec];
         R::unpack(run(r), x);
@@ -347,7 +316,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         }
       }
     }
-    if constexpr (kStageParts == 2) staged = true;
     // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
     // and the new state S d + k^ u^T = S d + k (rk u)^T.
     float u_k[kColumns];
@@ -362,8 +330,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // this token's state is stored (every token's with 2-D indices, else the last one's).
     const bool last = t + 1 == eos;
     E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
-    // The final state through shared memory and the bulk-copy unit (CTA-uniform)
-    const bool bulk_store = kBulkStore && mode != 2 && last && dst != nullptr;
     // (unrolled for [V, K] states, whose columns are indexed by r)
 #pragma unroll(VFirst ? kRuns : 1)
     for (int r = 0; r < kRuns; ++r) {
@@ -376,22 +342,15 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
       const uint4 updated = R::pack(x);
-      if (!last || bulk_store) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
-      if (dst != nullptr && !bulk_store) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
-    }
-    if (bulk_store) {
-      cute::tma_store_fence();  // the shared writes, visible to the bulk-copy unit
-      __syncthreads();
-      cute::SM90_BULK_COPY_S2G::copy(tile + tid * BV, dst + piece_offset(tid), BV * int(sizeof(E)));
-      cute::tma_store_arrive();
-      cute::tma_store_wait<0>();  // the tile is read before the CTA leaves
+      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
+      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
     }
     if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
   }
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
   if (bos == eos && store_ht && p.h0 != p.ht) {
-    wait_staged(0, kStageParts);
+    wait_staged();
     E* dst = destination(first);
     if (dst != nullptr)
 #pragma unroll 1

@@ -40,8 +40,14 @@ STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # bandwidth); pools 0.0310 / 0.0310, 0.163 / 0.158, 0.613 / 0.569. A thread's fixed work a token
 # (its K index's prologue, the sums over K across warps: about half of its 1445 instructions at
 # 64 columns, ncu and SASS of run 38) is then shared by twice the state bytes. float32 at 128
-# columns holds three CTAs an SM by shared memory and is slower at every N.
-DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 128}
+# columns holds three CTAs an SM by shared memory and is slower at every N. With the slice staged
+# by bulk copies (2026-12-03, run 52, benchmarks/NOTES.md: this kernel's two builds in
+# alternating processes, graph ms, cp.async a thread / bulk) bf16 states went back to 64
+# columns, where the bulk copies gained most: plain N=32 0.0303 / 0.0279, N=256 0.1590 / 0.1476,
+# N=1024 0.582 / 0.556, against 0.1532 and 0.5575 at 128 columns before (bulk at 128: 0.160 and
+# 0.598); pools 0.1644 / 0.1556 and 0.603 / 0.592 (128 before: 0.158, 0.570). float32 at 32
+# columns, N=32: plain 0.0416 / 0.0402, pools 0.0437 / 0.0416.
+DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 64}
 SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
                   ("float32", False): 1024}  # fmt: skip
