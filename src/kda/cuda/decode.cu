@@ -27,6 +27,10 @@
 // never written, so no index reaches memory outside the pool.
 #include "kda_cuda.cuh"
 
+#ifndef KDA_DECODE_ONE_COPY  // (an A/B variant, 2026-12-03: a contiguous slice in one bulk copy)
+#define KDA_DECODE_ONE_COPY 0
+#endif
+
 namespace kda {
 namespace {
 
@@ -193,9 +197,14 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
     }
-    __syncthreads();  // initialised, and the byte count posted, before any piece is issued
-    const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin + piece_offset(tid);
-    cute::SM90_BULK_COPY_G2S::copy(src, &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+    const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
+    if constexpr (KDA_DECODE_ONE_COPY && (VFirst || BV == kHeadDim)) {  // a contiguous slice: one copy
+      if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kHeadDim * BV * int(sizeof(E)));
+      __syncthreads();  // initialised before any thread waits on it
+    } else {
+      __syncthreads();  // initialised, and the byte count posted, before any piece is issued
+      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+    }
   } else {
 #pragma unroll 1
     for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
