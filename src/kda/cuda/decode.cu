@@ -358,8 +358,10 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   }
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
+  // Either way the staging copy is waited for: no CTA leaves with a bulk copy still writing
+  // into its shared memory (the token loop waits at its first token).
+  if (bos == eos) wait_staged();
   if (bos == eos && store_ht && p.h0 != p.ht) {
-    wait_staged();
     E* dst = destination(first);
     if (dst != nullptr)
 #pragma unroll 1
