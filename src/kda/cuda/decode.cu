@@ -27,10 +27,6 @@
 // never written, so no index reaches memory outside the pool.
 #include "kda_cuda.cuh"
 
-#ifndef KDA_DECODE_ONE_COPY  // (an A/B variant, 2026-12-03: a contiguous slice in one bulk copy)
-#define KDA_DECODE_ONE_COPY 0
-#endif
-
 namespace kda {
 namespace {
 
@@ -125,7 +121,8 @@ constexpr int decode_ctas_per_sm() {
   // [V, K] 64 columns: five (float32: 91 registers unbounded, at six it spilled 16 B; bf16 with
   // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
   // 20 B at five; float32 holds three by its shared memory)
-  const int most = !VFirst ? 10 : BV == 128 ? 4 : BV == 64 ? 5 : 6;
+  // [K, V] bf16 32 columns: nine (with the passes unrolled, 2026-12-03, it spilled 4 B at ten)
+  const int most = !VFirst ? (sizeof(E) == 2 && BV == 32 ? 9 : 10) : BV == 128 ? 4 : BV == 64 ? 5 : 6;
   return ctas < most ? ctas : most;
 }
 
@@ -183,12 +180,14 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
 
-  // Stage the slice (zeros without an initial state or a slot) as 128 pieces of BV values, one
-  // a thread (rows of a [K, V] slice; a [V, K] slice is one contiguous block, cut the same way),
-  // through the bulk-copy unit onto one mbarrier. (16-byte cp.async copies a thread, each
-  // waiting for its own runs, cost 15 instructions a run on the L1 pipe: on the H200, run 52,
-  // the bulk copies took fp32 N=32 from 0.0416 to 0.0402 ms, bf16 N=256 at 64 columns from
-  // 0.1590 to 0.1476; benchmarks/NOTES.md, 2026-12-03.)
+  // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
+  // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
+  // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
+  // at a time: a bulk copy takes its addresses in uniform registers). On the H200 (run 52,
+  // benchmarks/NOTES.md, 2026-12-03) the row copies took fp32 N=32 from 0.0416 to 0.0402 ms and
+  // bf16 N=256 at 64 columns from 0.1590 to 0.1476 against 16-byte cp.async copies a thread (15
+  // instructions a run on the L1 pipe); run 53: one copy of a whole bf16 head 0.1589 -> 0.1485
+  // against row copies.
   const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
   __shared__ uint64_t staged_bar;
   if (read) {
@@ -198,7 +197,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
     }
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
-    if constexpr (KDA_DECODE_ONE_COPY && (VFirst || BV == kHeadDim)) {  // a contiguous slice: one copy
+    if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
       if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kHeadDim * BV * int(sizeof(E)));
       __syncthreads();  // initialised before any thread waits on it
     } else {
@@ -292,7 +291,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
           dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
         }
     } else {
-#pragma unroll 1
+#pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         const float4 vec = s_vec[own.tk + kThreadsK * r];
         float x[kVec];
@@ -339,8 +338,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // this token's state is stored (every token's with 2-D indices, else the last one's).
     const bool last = t + 1 == eos;
     E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
-    // (unrolled for [V, K] states, whose columns are indexed by r)
-#pragma unroll(VFirst ? kRuns : 1)
+#pragma unroll
     for (int r = 0; r < kRuns; ++r) {
       float x[kVec];
       R::unpack(run(r), x);

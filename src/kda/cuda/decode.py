@@ -46,8 +46,14 @@ STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # columns, where the bulk copies gained most: plain N=32 0.0303 / 0.0279, N=256 0.1590 / 0.1476,
 # N=1024 0.582 / 0.556, against 0.1532 and 0.5575 at 128 columns before (bulk at 128: 0.160 and
 # 0.598); pools 0.1644 / 0.1556 and 0.603 / 0.592 (128 before: 0.158, 0.570). float32 at 32
-# columns, N=32: plain 0.0416 / 0.0402, pools 0.0437 / 0.0416.
-DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 64}
+# columns, N=32: plain 0.0416 / 0.0402, pools 0.0437 / 0.0416. Run 53 (the same A/B): a whole
+# bf16 head in one bulk copy instead of 128 row copies, 0.1589 -> 0.1485 ms at N=256 (pools
+# 0.1620 -> 0.1527), and the two passes unrolled, 0.1589 -> 0.1465 (64 columns: 0.1467 ->
+# 0.1446; pools 0.1550 -> 0.1495); both kept. So bf16 grids of SMALL_GRID_PAIRS or more take
+# whole heads again (both changes together not timed before this choice), smaller ones 64
+# columns (N=32: 0.0272 against 0.0304-0.0309 at 128).
+DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 128}
+SMALL_GRID_COLUMNS = {"float32": 32, "bfloat16": 64}
 SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
                   ("float32", False): 1024}  # fmt: skip
@@ -60,7 +66,7 @@ AUTO_MIN_PAIRS_V_FIRST_FLOAT32 = 8192
 def default_columns(dtype: str, pairs: int) -> int:
     """The V columns a CTA takes for a state dtype and a grid of ``pairs`` (sequence, value head)
     pairs when the caller names none."""
-    return 32 if dtype == "float32" and pairs < SMALL_GRID_PAIRS else DEFAULT_COLUMNS[dtype]
+    return SMALL_GRID_COLUMNS[dtype] if pairs < SMALL_GRID_PAIRS else DEFAULT_COLUMNS[dtype]
 
 
 def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
