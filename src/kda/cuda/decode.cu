@@ -180,27 +180,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
 
-  // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
-  const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
-  // A token's inputs at the thread's K index, as stored: q, k, g, and beta.
-  struct TokenInputs {
-    float q, k, g, beta;
-  };
-  const auto load_token = [&](int64_t t) {
-    TokenInputs in;
-    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
-    in.q = __bfloat162float(p.q[qk_at]);
-    in.k = __bfloat162float(p.k[qk_at]);
-    in.g = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
-    in.beta = load_float(p.beta, row, flags & kBetaFloat32);
-    return in;
-  };
-  // Whole heads load the first token's inputs before the staging, so that their latency overlaps
-  // the slot index's and the copy's (run 55, 2026-12-03, bf16 heads: N=32 0.0293 -> 0.0256 ms,
-  // N=256 0.1431 -> 0.1405; narrower slices spilled 12-16 B with it and ran slower).
-  constexpr bool kEarlyInputs = BV == kHeadDim;
-  TokenInputs early{};
-  if (kEarlyInputs && bos < eos) early = load_token(bos);
   // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
   // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
   // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
@@ -238,6 +217,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const auto destination = [&](int64_t slot) {
     return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
   };
+  // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
+  const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
   const bool writes_o = own.tk == 0;  // one thread of each column writes its output
 
   const bool gate_lower_bound = flags & kGateLowerBound;
@@ -249,18 +230,12 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   bool staged = false;
   for (int64_t t = bos; t < eos; ++t) {
     // Prologue: thread tid holds K index tid of q, k and the decay.
+    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid;
     const int64_t row = t * HV + i_hv;
-    float qv, kv, gv, beta;
-    if constexpr (kEarlyInputs) {
-      const TokenInputs in = t == bos ? early : load_token(t);
-      qv = in.q, kv = in.k, gv = in.g, beta = in.beta;
-    } else {  // (beta after the gate: loaded with the others, 8-40 B of spills at 32 columns)
-      const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid;
-      qv = __bfloat162float(p.q[qk_at]), kv = __bfloat162float(p.k[qk_at]);
-      gv = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
-    }
+    const float qv = __bfloat162float(p.q[qk_at]), kv = __bfloat162float(p.k[qk_at]);
+    float gv = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
     if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
-    if constexpr (!kEarlyInputs) beta = load_float(p.beta, row, flags & kBetaFloat32);
+    float beta = load_float(p.beta, row, flags & kBetaFloat32);
     if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
     float vc[kColumns];
 #pragma unroll

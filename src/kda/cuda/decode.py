@@ -53,9 +53,7 @@ STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # whole heads again (both changes together not timed before this choice), smaller ones 64
 # columns (N=32: 0.0272 against 0.0304-0.0309 at 128).
 DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 128}
-# Run 55 (the first token's inputs loaded before the staging, whole heads only): bf16 whole
-# heads N=32 0.0256 ms against 0.0275 at 64 columns, so bf16 takes whole heads at every size.
-SMALL_GRID_COLUMNS = {"float32": 32, "bfloat16": 128}
+SMALL_GRID_COLUMNS = {"float32": 32, "bfloat16": 64}
 SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
                   ("float32", False): 1024}  # fmt: skip
