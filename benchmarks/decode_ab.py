@@ -17,17 +17,13 @@ import kda
 from kda.api import checked_problem
 from kda.bench_decode import decode_inputs, graph_ms, kw_indices
 from kda.cuda.decode import decode
+from kda.reference import relative_rms
 from kda.triton.decode import decode as triton_decode
 from kda.validation import check_pool
 
 label = sys.argv[1]
 sizes = [int(n) for n in sys.argv[2:]] or [32, 256, 1024]
 WIDTHS = {torch.float32: (32, 64), torch.bfloat16: (64, 128)}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def problem(N: int, state_dtype, mode: str):
@@ -51,7 +47,7 @@ for state_dtype in (torch.float32, torch.bfloat16):
             o_ref, ht_ref = triton_decode(p_ref)
             if mode == "pool":
                 ht, ht_ref = p_cuda.pool, p_ref.pool
-            out["err"][name] = (rel(o, o_ref), rel(ht, ht_ref))
+            out["err"][name] = (relative_rms(o, o_ref), relative_rms(ht, ht_ref))
             for N in sizes:
                 p = problem(N, state_dtype, mode)
                 out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns: decode(p, c))

@@ -116,12 +116,13 @@ def chunk_kda(
     # (the split needs the lengths on the host: a call that left them unchecked is not split)
     if span != 0 and not problem.requires_grad and not torch.compiler.is_compiling() and not problem.lengths_unchecked:
         why, longest = segments.SETTING, problem.longest
+        lengths = _lengths(problem) if span or longest >= segments.long_tokens() else None
         if span is None:  # (the length first: a call too short to split pays no more host time)
-            span, why = _auto_segments(problem, backend) if longest >= segments.long_tokens() else (0, "")
+            span, why = _auto_segments(problem, backend, lengths) if lengths is not None else (0, "")
         if span and longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
-            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, _lengths(problem), span, why)
+            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why)
     return dispatch.select(problem, backend).run(problem)
 
 
@@ -130,7 +131,7 @@ def _lengths(problem) -> list[int]:
     return [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
 
 
-def _auto_segments(problem, backend: str) -> tuple[int, str]:
+def _auto_segments(problem, backend: str, lengths: list[int]) -> tuple[int, str]:
     """The automatic split (``segments.auto_span``) of a call the CUDA path would run, the
     only path it was measured on, outside a CUDA-graph capture (the split copies its segment
     table to the device, which a capture refuses); (0, "") for any other."""
@@ -143,7 +144,7 @@ def _auto_segments(problem, backend: str) -> tuple[int, str]:
     index = problem.q.device.index
     if stream_capturing(index):
         return 0, ""
-    lengths, sms = _lengths(problem), sm_count(index)
+    sms = sm_count(index)
     why = f"automatic: {segments.long_chains(lengths, problem.HV)} long (sequence, head) chains on {sms} SMs"
     return segments.auto_span(lengths, problem.HV, sms), f"{why}; {segments.SETTING}=0 turns it off"
 

@@ -84,23 +84,14 @@ def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
     heads on ``sms`` SMs where the long sequences' chains are few enough that the split's
     parallelism pays for its threefold arithmetic (the shortest of AUTO_SPANS that gives
     them at most AUTO_CHAINS_PER_SM segment chains an SM), else 0 (no split)."""
-    chains = long_chains(lengths, value_heads)
+    longs = [n for n in lengths if n >= long_tokens()]
+    chains = value_heads * len(longs)  # (long_chains)
     if not chains or chains * AUTO_SMS_PER_PAIR > sms:
         return 0
-    longs = [n for n in lengths if n >= long_tokens()]
     for span in AUTO_SPANS:
         if value_heads * sum(-(-n // span) for n in longs) <= AUTO_CHAINS_PER_SM * sms:
             return span
     return AUTO_SPANS[-1]
-
-
-def sequence_lengths(q: torch.Tensor, cu_seqlens, cu_seqlens_cpu) -> list[int]:
-    """Every sequence's length (a host read of cu_seqlens without its CPU copy)."""
-    B, T = q.shape[:2]
-    if cu_seqlens is None:
-        return [T] * B
-    values = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
-    return [b - a for a, b in zip(values, values[1:])]
 
 
 def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int, why: str = SETTING):

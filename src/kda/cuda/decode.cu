@@ -30,7 +30,6 @@
 namespace kda {
 namespace {
 
-
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
 
