@@ -262,21 +262,18 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert (prm.tokens, prm.num_seqs, prm.pool_slots, prm.heads, prm.value_heads) == (T, 3, 5 if mode else 3, 2, 4)
     assert (prm.index_cols, prm.index_mode) == (3 if mode == 2 else 1, mode)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, -5.0, 1.0)
-    columns = 32  # a float32 grid of 12 (sequence, head) pairs: below cuda_decode.SMALL_GRID_PAIRS
+    columns = 64  # float32 states (cuda_decode.DEFAULT_COLUMNS)
     name = loader.DECODE_KERNELS[("float32", mode == 1, columns)]
     assert args[0] == int(kernels.kernels[name])
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 
 
-def test_decode_columns_follow_the_grid():
-    """Grids below SMALL_GRID_PAIRS take 32 columns a CTA for float32 states and 64 for bf16,
-    larger ones 64 and 128 (kda.cuda.decode: measured per width, runs 36, 39, 52 and 53)."""
-    from kda.cuda.decode import SMALL_GRID_PAIRS, default_columns
+def test_decode_columns_follow_the_state_dtype():
+    """float32 states take 64 columns a CTA and bf16 whole heads, at every grid size
+    (kda.cuda.decode.DEFAULT_COLUMNS: measured per width, runs 36-57)."""
+    from kda.cuda.decode import DEFAULT_COLUMNS
 
-    assert default_columns("float32", 1) == default_columns("float32", SMALL_GRID_PAIRS - 1) == 32
-    assert default_columns("float32", SMALL_GRID_PAIRS) == 64
-    assert default_columns("bfloat16", 1) == default_columns("bfloat16", SMALL_GRID_PAIRS - 1) == 64
-    assert default_columns("bfloat16", SMALL_GRID_PAIRS) == 128
+    assert DEFAULT_COLUMNS == {"float32": 64, "bfloat16": 128}
 
 
 def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():

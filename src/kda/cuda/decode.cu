@@ -73,6 +73,12 @@ struct Run<__nv_bfloat16> {
   }
 };
 
+// N adjacent bf16 values (4 or 8: one 8- or 16-byte access).
+template <int N>
+struct alignas(2 * N) BfloatRun {
+  __nv_bfloat16 x[N];
+};
+
 // Which elements of the slice [128, BV] a thread owns: kRuns runs of kVec elements that are
 // contiguous in memory, at the same place in the shared copy of the slice (stored as in memory). [K, V] states: thread (tc fastest, tk) owns columns tc kVec .. + kVec
 // of rows tk + kThreadsK r; [V, K] states: thread (tk fastest, tc) owns K indices tk kVec ..
@@ -121,7 +127,11 @@ constexpr int decode_ctas_per_sm() {
   // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
   // 20 B at five; float32 holds three by its shared memory)
   // [K, V] bf16 32 columns: nine (with the passes unrolled, 2026-12-03, it spilled 4 B at ten)
-  const int most = !VFirst ? (sizeof(E) == 2 && BV == 32 ? 9 : 10) : BV == 128 ? 4 : BV == 64 ? 5 : 6;
+  // With the first token's inputs loaded before the staging (2026-12-03): [K, V] float32 32
+  // columns nine (32 B spilled at ten), bf16 32 and 64 columns eight (8 and 20 B at nine), [V, K]
+  // bf16 64 columns four (16 B at five)
+  const int most = !VFirst ? (sizeof(E) == 2 ? (BV == 128 ? 10 : 8) : BV == 32 ? 9 : 10)
+                           : BV == 128 ? 4 : BV == 64 ? (sizeof(E) == 2 ? 4 : 5) : 6;
   return ctas < most ? ctas : most;
 }
 
@@ -179,6 +189,24 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
 
+  // A token's inputs at the thread's K index, as stored: q, k, g, and beta.
+  struct TokenInputs {
+    float q, k, g, beta;
+  };
+  const auto load_token = [&](int64_t t) {
+    TokenInputs in;
+    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
+    in.q = __bfloat162float(p.q[qk_at]);
+    in.k = __bfloat162float(p.k[qk_at]);
+    in.g = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
+    in.beta = load_float(p.beta, row, flags & kBetaFloat32);
+    return in;
+  };
+  // The first token's inputs are loaded before the staging, so that their latency overlaps the
+  // slot index's and the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms,
+  // N=256 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 ->
+  // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM).
+  const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
   // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
   // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
   // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
@@ -229,16 +257,21 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   bool staged = false;
   for (int64_t t = bos; t < eos; ++t) {
     // Prologue: thread tid holds K index tid of q, k and the decay.
-    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid;
     const int64_t row = t * HV + i_hv;
-    const float qv = __bfloat162float(p.q[qk_at]), kv = __bfloat162float(p.k[qk_at]);
-    float gv = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
+    const TokenInputs in = t == bos ? first_inputs : load_token(t);
+    const float qv = in.q, kv = in.k;
+    float gv = in.g, beta = in.beta;
     if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
-    float beta = load_float(p.beta, row, flags & kBetaFloat32);
     if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
     float vc[kColumns];
+    if constexpr (VFirst) {
 #pragma unroll
-    for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
+    } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: decode.py)
+      const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
+    }
     const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
     float sums[3] = {qv * qv, kv * kv, qv * kv};
 #pragma unroll
@@ -315,9 +348,10 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < kColumns; ++j) {
-        dot_k[j] = dot_q[j] = 0.f;
+        dot_k[j] = s_partial[0][0][own.tc * kVec + j];
+        dot_q[j] = s_partial[0][1][own.tc * kVec + j];
 #pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) {
+        for (int w = 1; w < kDecodeWarps; ++w) {
           dot_k[j] += s_partial[w][0][own.tc * kVec + j];
           dot_q[j] += s_partial[w][1][own.tc * kVec + j];
         }
@@ -326,12 +360,20 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
     // and the new state S d + k^ u^T = S d + k (rk u)^T.
     float u_k[kColumns];
+    BfloatRun<kColumns> o_run;  // [K, V] states: the thread's outputs, adjacent, stored at once
 #pragma unroll
     for (int j = 0; j < kColumns; ++j) {
       const float u = beta * (vc[j] - dot_k[j] * rk);
-      if (writes_o) p.o[row * kHeadDim + column(j)] = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
+      const __nv_bfloat16 o_j = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
+      if constexpr (VFirst) {
+        if (writes_o) p.o[row * kHeadDim + column(j)] = o_j;
+      } else {
+        o_run.x[j] = o_j;
+      }
       u_k[j] = u * rk;
     }
+    if constexpr (!VFirst)
+      if (writes_o) *reinterpret_cast<BfloatRun<kColumns>*>(p.o + row * kHeadDim + column(0)) = o_run;
 
     // Pass 2: the new state, back into shared memory for the next token, and to memory where
     // this token's state is stored (every token's with 2-D indices, else the last one's).

@@ -33,40 +33,28 @@ STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # N=256 0.271 / 0.280 / 0.317; bf16 plain N=32 0.0306 / 0.0352 / 0.0387, N=256 0.159 / 0.209 /
 # 0.263 (pools 0.0312 / 0.0341 / 0.0325, 0.164 / 0.205 / 0.197). Below 1024 pairs (N=1) Triton's
 # one-program latency is lower (8.2 us against 8.5 to 9.6). 64 columns win from N=256 on for
-# float32; float32 grids of fewer than SMALL_GRID_PAIRS pairs take 32 (at N=32, 4096 CTAs of 32
-# columns fill the SMs' six-CTA waves better than 2048 of 64). bf16 states take whole heads, 128
-# columns (run 39, results/h200-2026-12-02-decode-run39.md, graph ms at 64 / 128 columns): plain
+# float32 (at N=32, 4096 CTAs of 32 columns filled the SMs' waves better than 2048 of 64, until
+# run 56 below). bf16 states take whole heads, 128 columns (run 39,
+# results/h200-2026-12-02-decode-run39.md, graph ms at 64 / 128 columns): plain
 # N=32 0.0303 / 0.0303, N=256 0.158 / 0.153, N=1024 0.581 / 0.549 (0.87 -> 0.92 of the copy
 # bandwidth); pools 0.0310 / 0.0310, 0.163 / 0.158, 0.613 / 0.569. A thread's fixed work a token
 # (its K index's prologue, the sums over K across warps: about half of its 1445 instructions at
 # 64 columns, ncu and SASS of run 38) is then shared by twice the state bytes. float32 at 128
 # columns holds three CTAs an SM by shared memory and is slower at every N. With the slice staged
-# by bulk copies (2026-12-03, run 52, benchmarks/NOTES.md: this kernel's two builds in
-# alternating processes, graph ms, cp.async a thread / bulk) bf16 states went back to 64
-# columns, where the bulk copies gained most: plain N=32 0.0303 / 0.0279, N=256 0.1590 / 0.1476,
-# N=1024 0.582 / 0.556, against 0.1532 and 0.5575 at 128 columns before (bulk at 128: 0.160 and
-# 0.598); pools 0.1644 / 0.1556 and 0.603 / 0.592 (128 before: 0.158, 0.570). float32 at 32
-# columns, N=32: plain 0.0416 / 0.0402, pools 0.0437 / 0.0416. Run 53 (the same A/B): a whole
-# bf16 head in one bulk copy instead of 128 row copies, 0.1589 -> 0.1485 ms at N=256 (pools
-# 0.1620 -> 0.1527), and the two passes unrolled, 0.1589 -> 0.1465 (64 columns: 0.1467 ->
-# 0.1446; pools 0.1550 -> 0.1495); both kept. So bf16 grids of SMALL_GRID_PAIRS or more take
-# whole heads again (both changes together not timed before this choice), smaller ones 64
-# columns (N=32: 0.0272 against 0.0304-0.0309 at 128).
+# by bulk copies (2026-12-03, runs 52-54, benchmarks/NOTES.md: this kernel's builds in
+# alternating processes) bf16 grids under 2048 pairs took 64 columns for a while. Since the
+# first token's inputs are loaded before the staging (2026-12-03, runs 55-57, the same A/B, graph
+# ms): bf16 whole heads at N=32 0.0254-0.0259 against 0.0272-0.0285 at 64 columns (N=256 0.1402
+# against 0.1489), and float32 at 64 columns N=32 0.0393-0.0400 against 0.0405-0.0412 at 32
+# (pools 0.0408-0.0412 against 0.0414-0.0422; N=256 0.2638 against 0.2721). So the width
+# follows the state dtype alone.
 DEFAULT_COLUMNS = {"float32": 64, "bfloat16": 128}
-SMALL_GRID_COLUMNS = {"float32": 32, "bfloat16": 64}
-SMALL_GRID_PAIRS = 2048
 AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32", True): 1024,
                   ("float32", False): 1024}  # fmt: skip
 # float32 [V, K] states without a pool (state_v_first) keep the earlier bound: at N=32 this kernel
 # (32 columns) took 0.0543 ms in run 37 against Triton's 0.0406 in run 36 (the bench's layout
 # row, graph replay); N=256 and 1024 ran here in both runs (0.288 and 1.100 ms in run 36).
 AUTO_MIN_PAIRS_V_FIRST_FLOAT32 = 8192
-
-
-def default_columns(dtype: str, pairs: int) -> int:
-    """The V columns a CTA takes for a state dtype and a grid of ``pairs`` (sequence, value head)
-    pairs when the caller names none."""
-    return SMALL_GRID_COLUMNS[dtype] if pairs < SMALL_GRID_PAIRS else DEFAULT_COLUMNS[dtype]
 
 
 def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -96,6 +84,8 @@ def decode_rejects(p: Problem) -> str | None:
         return "bfloat16 states over more than one token a sequence (kept in bfloat16 between tokens)"
     if h0 is not None and h0.data_ptr() % 16:
         return "a state that is not 16-byte aligned (a view at an odd offset)"
+    if p.v.data_ptr() % 16:  # (a thread reads its [K, V] columns of v in one 8- or 16-byte load)
+        return "v not 16-byte aligned (a view at an odd offset)"
     return None
 
 
@@ -125,7 +115,7 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
     if p.N * p.HV == 0:
         return o, ht
     dtype = STATE_DTYPES[state_dtype(p)]
-    columns = columns or default_columns(dtype, p.N * p.HV)
+    columns = columns or DEFAULT_COLUMNS[dtype]
     if columns not in abi.DECODE_COLUMNS:
         raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
     idx = p.state_indices
