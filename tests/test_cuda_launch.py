@@ -301,6 +301,17 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     # float32 [V, K] states keep their own bound (kda.cuda.decode.AUTO_MIN_PAIRS_V_FIRST_FLOAT32)
     v_first = problem(fp32, state=torch.float32, v_first=True)
     assert f"{fp32 * 4} (sequence, head) pairs of float32 [V, K] states" in BACKEND.auto_rejects(v_first)
+    # a thread reads its v columns in one 16-byte load: v at an odd offset goes to Triton
+    case = make_case(B=bf16, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7,
+                     with_state=False)  # fmt: skip
+    q, k, v, g, beta = case.tensors()
+    shifted = torch.empty(v.numel() + 1, dtype=v.dtype)[1:].view_as(v).copy_(v)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+    kw = case.kwargs(final_state_dtype=torch.bfloat16)
+    kw.pop("safe_gate")
+    assert BACKEND.auto_rejects(checked_problem(kda.fused_recurrent_kda, q, k, v, g, beta, **kw)) is None
+    odd = checked_problem(kda.fused_recurrent_kda, q, k, shifted, g, beta, **kw)
+    assert "v not 16-byte aligned" in BACKEND.auto_rejects(odd)
 
 
 @pytest.mark.parametrize("dht_dtype", [torch.float32, torch.bfloat16, None])
