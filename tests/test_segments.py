@@ -55,16 +55,17 @@ def test_split_keeps_full_precision_between_segments(monkeypatch, what):
     assert moved[0] <= tol and moved[1] <= (tol if what == "float64" else 4e-3), moved
 
 
-def test_chain_boundaries_step_all_sequences_together():
-    """``segments.chain_boundaries`` (one batched product a step, sequences sorted by segment
-    count) against a plain loop sequence by sequence, with an empty sequence among them."""
+@pytest.mark.parametrize("counts", [[3, 0, 1, 5, 2], [37, 1, 16, 0, 17]])
+def test_chain_boundaries_scan_all_sequences_together(counts):
+    """``segments.chain_boundaries`` (a log-depth scan of the composed maps, all sequences a
+    step) against a plain loop sequence by sequence, with an empty sequence among them and
+    segment counts on both sides of powers of two."""
     import torch
 
     from kda import segments
 
-    counts = [3, 0, 1, 5, 2]
     gen = torch.Generator().manual_seed(88)
-    P = torch.randn(sum(counts), 2, 4, 4, generator=gen, dtype=torch.float64) * 0.5
+    P = torch.randn(sum(counts), 2, 4, 4, generator=gen, dtype=torch.float64) * 0.4
     R = torch.randn(sum(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
     S0 = torch.randn(len(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
     starts, finals = segments.chain_boundaries(P, R, S0, counts)
