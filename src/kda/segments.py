@@ -5,8 +5,10 @@ sequence chunk by chunk. Cut every sequence longer than L tokens into segments o
 
 1. every segment's affine transition ``(P, R)`` from the chunk kernels
    (``transitions.affine_transitions``), all segments at once as one packed batch;
-2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a scan of float64
-   products, log2 of the segments deep: :func:`chain_boundaries`);
+2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (on a GPU a Triton
+   program a (sequence, head, V slice) walking the segments in float32,
+   ``kda.triton.chain``; else a float64 scan, log2 of the segments deep:
+   :func:`chain_boundaries`);
 3. every segment from its true initial state, again as one packed batch.
 
 The chains multiply by the segments per sequence; the price is about three times the
@@ -120,7 +122,14 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
     if h0 is not None:
         S0 = as_kv(h0).double()
-    starts, finals = chain_boundaries(P, R, S0, [len(ps) for ps in pieces])
+    # The chain: on a GPU in float32 by one Triton program a (sequence, head, V slice) walking
+    # the segments (kda.triton.chain); float64 problems and CPU tensors by the float64 scan.
+    chain = chain_boundaries
+    if P.is_cuda and full == torch.float32:
+        from kda.triton.chain import chain_boundaries as chain
+
+        note("segments:chain:triton")
+    starts, finals = chain(P, R, S0, [len(ps) for ps in pieces])
     o = torch.zeros(1, 0, HV, V, dtype=q.dtype, device=q.device)
     if segs:
         # the entering states in the full-precision state dtype, whatever h0's (a bf16 h0 is
