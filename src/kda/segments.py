@@ -5,10 +5,8 @@ sequence chunk by chunk. Cut every sequence longer than L tokens into segments o
 
 1. every segment's affine transition ``(P, R)`` from the chunk kernels
    (``transitions.affine_transitions``), all segments at once as one packed batch;
-2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (on a GPU a Triton
-   program a (sequence, head, V slice) walking the segments in float32,
-   ``kda.triton.chain``; else a float64 scan, log2 of the segments deep:
-   :func:`chain_boundaries`);
+2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a short loop of small
+   float32 products);
 3. every segment from its true initial state, again as one packed batch.
 
 The chains multiply by the segments per sequence; the price is about three times the
@@ -122,14 +120,7 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
     if h0 is not None:
         S0 = as_kv(h0).double()
-    # The chain: on a GPU in float32 by one Triton program a (sequence, head, V slice) walking
-    # the segments (kda.triton.chain); float64 problems and CPU tensors by the float64 scan.
-    chain = chain_boundaries
-    if P.is_cuda and full == torch.float32:
-        from kda.triton.chain import chain_boundaries as chain
-
-        note("segments:chain:triton")
-    starts, finals = chain(P, R, S0, [len(ps) for ps in pieces])
+    starts, finals = chain_boundaries(P, R, S0, [len(ps) for ps in pieces])
     o = torch.zeros(1, 0, HV, V, dtype=q.dtype, device=q.device)
     if segs:
         # the entering states in the full-precision state dtype, whatever h0's (a bf16 h0 is
@@ -143,50 +134,36 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
 def chain_boundaries(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The state entering every segment and each sequence's final state: ``S_{j+1} = P_j S_j +
     R_j`` from ``S0[n]`` over sequence n's ``counts[n]`` segments (P ``[segs, HV, K, K]``, R
-    ``[segs, HV, K, V]``, sequence by sequence), in float64: float64 keeps the products exact
-    to the transitions' own rounding whatever torch's float32 matmul precision is set to (TF32
-    would put 1e-3 into every boundary state).
+    ``[segs, HV, K, V]``, sequence by sequence), in float64: the products are few (one a
+    segment), and float64 keeps them exact to the transitions' own rounding whatever torch's
+    float32 matmul precision is set to (TF32 would put 1e-3 into every boundary state).
 
-    A scan in log2(most segments) steps, not a step a segment: the maps ``S -> P S + R``
-    compose, ``(P2, R2) o (P1, R1) = (P2 P1, P2 R1 + R2)``, so after the step of distance d
-    every segment holds the composition of itself and the 2d - 1 segments before it in its
-    sequence (Hillis and Steele), one batched product a step over all sequences; then every
-    segment's exit state is one more batched product with its sequence's S0. (A float64
-    product a segment cost 50-75 us on the H200, run 59: 128 segments added 6-10 ms.)"""
-    N, segs = len(counts), sum(counts)
-    K = P.shape[-1]
-    seq = torch.repeat_interleave(torch.arange(N), torch.tensor(counts, dtype=torch.int64))
-    first = torch.tensor(list(itertools.accumulate(counts, initial=0))[:-1], dtype=torch.int64)
-    pos = torch.arange(segs) - first[seq] if segs else torch.zeros(0, dtype=torch.int64)
-    # the host-built indices, one host-to-device copy: each step's segments that compose with
-    # the one d before them, then each sequence's last segment and each segment's predecessor
-    steps, d = [], 1
-    while d < max(counts, default=0):
-        steps.append(torch.nonzero(pos >= d).squeeze(1))
-        d *= 2
-    has_segments = torch.tensor([n for n in range(N) if counts[n]], dtype=torch.int64)
-    last = first[has_segments] + torch.tensor(counts, dtype=torch.int64)[has_segments] - 1
-    later = torch.nonzero(pos > 0).squeeze(1)  # segments that a segment of their sequence precedes
-    pieces = [seq, *steps, has_segments, last, later]
-    index = torch.cat(pieces).to(S0.device)
-    seq_t, *steps_t = index.split([len(x) for x in pieces])
-    *steps_t, has_t, last_t, later_t = steps_t
-    M = torch.cat([P, R], dim=-1).double()  # [segs, HV, K, K + V]: the map (P | R)
-    d = 1
-    for take in steps_t:
-        # (computed from the previous step's maps, then written: the segments d before are read
-        # whole before any is overwritten)
-        mine = M[take]
-        composed = torch.matmul(mine[..., :K], M[take - d])
-        composed[..., K:] += mine[..., K:]
-        M[take] = composed
-        d *= 2
-    S0 = S0.double()
-    # exit state of every segment: P (composed) S0 + R (composed)
-    exits = torch.baddbmm(M[..., K:].flatten(0, 1), M[..., :K].flatten(0, 1), S0[seq_t].flatten(0, 1))
-    exits = exits.view(segs, *S0.shape[1:])
-    starts = S0[seq_t].clone()
-    starts[later_t] = exits[later_t - 1]
-    finals = S0.clone()
-    finals[has_t] = exits[last_t]
-    return starts, finals
+    All sequences step together, one batched product a step: the sequences sorted by segment
+    count, longest first, so that those still going at step j are a prefix (a batch of many
+    short sequences and one long one takes as many steps as the long one has segments)."""
+    N = len(counts)
+    first = list(itertools.accumulate(counts, initial=0))
+    order = sorted(range(N), key=lambda n: -counts[n])
+    steps = counts[order[0]] if N else 0
+    active, going = [], N  # active[j]: the sequences with more than j segments (a prefix of order)
+    for j in range(steps):
+        while counts[order[going - 1]] <= j:
+            going -= 1
+        active.append(going)
+    gather = [first[n] + j for j in range(steps) for n in order[: active[j]]]  # segment ids, step by step
+    index = torch.tensor(order + gather, dtype=torch.int64).to(S0.device)  # one host-to-device copy
+    order_t, gather_t = index[:N], index[N:]
+    P, R = P[gather_t].double(), R[gather_t].double()
+    S = S0.double()[order_t]
+    starts = torch.empty_like(R)
+    at = 0
+    for a in active:
+        starts[at : at + a] = S[:a]
+        stepped = torch.baddbmm(R[at : at + a].flatten(0, 1), P[at : at + a].flatten(0, 1), S[:a].flatten(0, 1))
+        S[:a] = stepped.view_as(S[:a])
+        at += a
+    in_order = torch.empty_like(starts)
+    in_order[gather_t] = starts
+    finals = torch.empty_like(S)
+    finals[order_t] = S
+    return in_order, finals
