@@ -104,9 +104,9 @@ def test_automatic_split_rule_on_the_measured_cases():
     runs 18 and 50): 1x2097152 H8 split, 1x524288 H16 and the H32 cases not."""
     from kda import segments
 
-    # the lengths run 51 found fastest: 16384 at 2M tokens, 4096 at 131072 and 524288
+    # run 59: 16384 fastest at 2M and 524288 tokens (at 131072 8192, then 16384)
     assert segments.auto_span([2097152], 8, 132) == 16384
-    assert segments.auto_span([524288], 8, 132) == 4096 and segments.auto_span([131072], 8, 132) == 4096
+    assert segments.auto_span([524288], 8, 132) == 16384 and segments.auto_span([131072], 8, 132) == 16384
     assert segments.auto_span([8 * 2097152], 8, 132) == 65536  # past the last length: the longest
     assert segments.auto_span([524288], 16, 132) == 0
     assert segments.auto_span([131072], 32, 132) == 0 and segments.auto_span([32768], 32, 132) == 0

@@ -39,12 +39,17 @@ SETTING = "KDA_SEGMENT_TOKENS"
 # (64 CTAs) the split lost at every length (33.0 against 26.1 uncut), and at H32 by 2x or more.
 # A sequence counts as long from AUTO_MIN_SEGMENTS segments of this length.
 AUTO_SEGMENT_TOKENS = 16384
-# The length itself follows the long sequences' segments (run 51, 2026-12-03, H8): about eight
-# segment chains an SM was best at every length measured: 4096 tokens on 131072 and 524288
-# (4.751 and 16.863 ms against 5.147 and 17.630 at 16384), 16384 on 2097152 (63.4 against 67.0
-# at 4096 and 71.6 at 65536). So: the shortest of AUTO_SPANS whose long-sequence segment
-# chains are at most AUTO_CHAINS_PER_SM a SM, else the longest.
-AUTO_SPANS = (4096, 8192, 16384, 32768, 65536)
+# The length itself follows the long sequences' segments: the shortest of AUTO_SPANS whose
+# long-sequence segment chains are at most AUTO_CHAINS_PER_SM a SM, else the longest. Run 51
+# (f1b78dd, a float32 chain of the boundary states) had 4096 tokens fastest on 131072 and
+# 524288 at H8, so AUTO_SPANS started at 4096; with the float64 chain of 2a6b010 (one product a
+# segment, 40-75 us each) short segments pay for their count, and run 59 (2026-12-03,
+# benchmarks/results/h200-2026-12-03-long-run59.md, ms at 4096 / 8192 / 16384 / 65536, uncut,
+# fla) had 131072 H8 6.314 / 5.283 / 5.641 / 11.469, 5.947, 5.742; 524288 H8 26.805 / 21.074 /
+# 18.648 / 19.423, 23.727, 22.699; 2097152 H8 87.935 / 78.186 / 68.130 / 73.624, 94.852,
+# 90.539. So the lengths start at 16384 (at 131072 tokens 8192 was faster still; a rule that
+# picks it there would pick it at 524288 too).
+AUTO_SPANS = (16384, 32768, 65536)
 AUTO_CHAINS_PER_SM = 8
 # Split when the long sequences' (sequence, value head) pairs are at most one per this many
 # SMs (8 on 132 SMs: H8 split, H16 not) ...
