@@ -268,14 +268,6 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 
 
-def test_decode_columns_follow_the_state_dtype():
-    """float32 states take 64 columns a CTA and bf16 whole heads, at every grid size
-    (kda.cuda.decode.DEFAULT_COLUMNS: measured per width, runs 36-57)."""
-    from kda.cuda.decode import DEFAULT_COLUMNS
-
-    assert DEFAULT_COLUMNS == {"float32": 64, "bfloat16": 128}
-
-
 def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     """kda.cuda.decode.AUTO_MIN_PAIRS on host-side problems (no device work): one-token decode
     steps over enough sequence-heads are kept (no refusal), the rest say why Triton runs them."""
@@ -301,17 +293,6 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     # float32 [V, K] states keep their own bound (kda.cuda.decode.AUTO_MIN_PAIRS_V_FIRST_FLOAT32)
     v_first = problem(fp32, state=torch.float32, v_first=True)
     assert f"{fp32 * 4} (sequence, head) pairs of float32 [V, K] states" in BACKEND.auto_rejects(v_first)
-    # a thread reads its v columns in one 16-byte load: v at an odd offset goes to Triton
-    case = make_case(B=bf16, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7,
-                     with_state=False)  # fmt: skip
-    q, k, v, g, beta = case.tensors()
-    shifted = torch.empty(v.numel() + 1, dtype=v.dtype)[1:].view_as(v).copy_(v)
-    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
-    kw = case.kwargs(final_state_dtype=torch.bfloat16)
-    kw.pop("safe_gate")
-    assert BACKEND.auto_rejects(checked_problem(kda.fused_recurrent_kda, q, k, v, g, beta, **kw)) is None
-    odd = checked_problem(kda.fused_recurrent_kda, q, k, shifted, g, beta, **kw)
-    assert "v not 16-byte aligned" in BACKEND.auto_rejects(odd)
 
 
 @pytest.mark.parametrize("dht_dtype", [torch.float32, torch.bfloat16, None])

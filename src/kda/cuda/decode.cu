@@ -6,10 +6,11 @@
 // A decode step is a copy of the states with a little arithmetic: it runs at the rate of the
 // state bytes it keeps in flight and of the shared-memory and issue slots it spends per
 // element. The slice arrives in shared memory by bulk (TMA) copies, so the bytes in flight
-// hold no registers and no copy instructions (ten 16 KB slices an SM at 64 bf16 or 32 float32
-// columns). Each thread owns 16-byte runs of the slice, contiguous in memory and adjacent
-// across a warp for either layout, and reads and writes them with 16-byte accesses; the
-// token's per-K vectors (decay d, k, d k, d q) are one 16-byte broadcast read a run.
+// hold no registers and no copy instructions (eight or nine 16 KB slices an SM at 64 bf16 or 32
+// float32 columns, five 32 KB ones for whole bf16 heads: decode_ctas_per_sm). Each thread owns
+// 16-byte runs of the slice, contiguous in memory and adjacent across a warp for either layout,
+// and reads and writes them with 16-byte accesses; the token's per-K vectors (decay d, k, d k,
+// d q) are one 16-byte broadcast read a run.
 // (benchmarks/NOTES.md, 2026-12-02, has the versions measured: one thread a column with
 // scalar reads had ncu's L1/shared pipe 93% busy at 56% of DRAM bandwidth; the runs held in
 // registers, loaded without shared memory, held fewer slices in flight and ran slower.)
@@ -126,8 +127,8 @@ constexpr int decode_ctas_per_sm() {
   // [V, K] 64 columns: five (float32: 91 registers unbounded, at six it spilled 16 B; bf16 with
   // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
   // 20 B at five; float32 holds three by its shared memory)
-  // [K, V] bf16 32 columns: nine (with the passes unrolled, 2026-12-03, it spilled 4 B at ten)
-  // With the first token's inputs loaded before the staging (2026-12-03): [K, V] float32 32
+  // [K, V] bf16 32 columns: nine with the passes unrolled (2026-12-03; it spilled 4 B at ten),
+  // then eight below. With the first token's inputs loaded before the staging (2026-12-03): [K, V] float32 32
   // columns nine (32 B spilled at ten), bf16 32 and 64 columns eight (8 and 20 B at nine), [V, K]
   // bf16 64 columns four (16 B at five)
   const int most = !VFirst ? (sizeof(E) == 2 ? (BV == 128 ? 10 : 8) : BV == 32 ? 9 : 10)
@@ -267,7 +268,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if constexpr (VFirst) {
 #pragma unroll
       for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
-    } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: decode.py)
+    } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: kda.cuda.misaligned)
       const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
 #pragma unroll
       for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
