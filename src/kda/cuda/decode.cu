@@ -128,9 +128,9 @@ constexpr int decode_ctas_per_sm() {
   // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
   // 20 B at five; float32 holds three by its shared memory)
   // [K, V] bf16 32 columns: nine with the passes unrolled (2026-12-03; it spilled 4 B at ten),
-  // then eight below. With the first token's inputs loaded before the staging (2026-12-03): [K, V] float32 32
-  // columns nine (32 B spilled at ten), bf16 32 and 64 columns eight (8 and 20 B at nine), [V, K]
-  // bf16 64 columns four (16 B at five)
+  // then eight below. With the first token's inputs loaded before the staging (2026-12-03):
+  // [K, V] float32 32 columns nine (32 B spilled at ten), bf16 32 and 64 columns eight (8 and
+  // 20 B at nine), [V, K] bf16 64 columns four (16 B at five)
   const int most = !VFirst ? (sizeof(E) == 2 ? (BV == 128 ? 10 : 8) : BV == 32 ? 9 : 10)
                            : BV == 128 ? 4 : BV == 64 ? (sizeof(E) == 2 ? 4 : 5) : 6;
   return ctas < most ? ctas : most;
@@ -144,6 +144,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   constexpr int kColumns = VFirst ? kRuns : kVec;  // the columns a thread owns
   constexpr int kSlices = kHeadDim / BV;
   constexpr int64_t kHeadElements = int64_t(kHeadDim) * kHeadDim;
+  constexpr int kTileBytes = kHeadDim * BV * int(sizeof(E));  // the slice, one copy's worth
   __shared__ alignas(16) E tile[kHeadDim * BV];  // the slice, as stored in memory
   // The token's per-K vectors (d, k, d k, d q) and sums, one buffer: a CTA barrier ends each
   // token that another follows, before the next prologue overwrites them. (Buffers by token
@@ -222,11 +223,11 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if (tid == 0) {
       cute::initialize_barrier(staged_bar, 1);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      cute::set_barrier_transaction_bytes(staged_bar, kHeadDim * BV * int(sizeof(E)));
+      cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
     }
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
     if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
-      if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kHeadDim * BV * int(sizeof(E)));
+      if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
       __syncthreads();  // initialised before any thread waits on it
     } else {
       __syncthreads();  // initialised, and the byte count posted, before any piece is issued
