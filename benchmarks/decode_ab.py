@@ -24,6 +24,11 @@ from kda.validation import check_pool
 label = sys.argv[1]
 sizes = [int(n) for n in sys.argv[2:]] or [32, 256, 1024]
 WIDTHS = {torch.float32: (32, 64), torch.bfloat16: (64, 128)}
+if os.environ.get("DECODE_AB_WIDTHS"):  # e.g. "bfloat16:128 float32:64": only these
+    WIDTHS = {}
+    for item in os.environ["DECODE_AB_WIDTHS"].split():
+        dtype, columns = item.split(":")
+        WIDTHS[getattr(torch, dtype)] = WIDTHS.get(getattr(torch, dtype), ()) + (int(columns),)
 
 
 def problem(N: int, state_dtype, mode: str):
@@ -37,7 +42,7 @@ def problem(N: int, state_dtype, mode: str):
 
 
 out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "err": {}}
-for state_dtype in (torch.float32, torch.bfloat16):
+for state_dtype in WIDTHS:
     for mode in ("plain", "pool"):
         for columns in WIDTHS[state_dtype]:
             name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"

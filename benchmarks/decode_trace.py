@@ -1,0 +1,64 @@
+"""Where a decode CTA's time goes (a build with -DKDA_DECODE_TRACE=1, ``KDA_CUDA_KERNELS_DIR``):
+each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
+from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
+SM. ``python benchmarks/decode_trace.py N [columns]``: per mode (plain call, pool) the medians,
+the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail)."""
+
+import json
+import sys
+
+import torch
+
+import kda
+from kda.api import checked_problem
+from kda.bench_decode import decode_inputs, graph_ms, kw_indices
+from kda.cuda.decode import decode
+from kda.validation import check_pool
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+columns = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
+
+
+def problem(mode):
+    t, kw = decode_inputs(N, state_dtype=dtype)
+    if mode == "plain":
+        kw_plain = dict(kw, output_final_state=True, final_state_dtype=dtype)
+        return checked_problem(kda.fused_recurrent_kda, *t, **kw_plain)
+    kw_pool = {k: x for k, x in kw.items() if k != "initial_state"}
+    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
+
+
+def q(x, f):
+    return float(torch.quantile(x.double(), f))
+
+
+for mode in ("plain", "pool"):
+    p = problem(mode)
+    ms = graph_ms(lambda: decode(p, columns))
+    for _ in range(5):  # back-to-back launches, the last one read
+        o, _ = decode(p, columns)
+    torch.cuda.synchronize()
+    tr = o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :8].cpu()
+    start, end = tr[:, 0], tr[:, 1]
+    t0 = start.min()
+    life_ns = (end - start).double()
+    cyc = tr[:, 2:6].double()
+    ghz = float((cyc[:, 3] / life_ns.clamp(min=1)).median())
+    span = float(end.max() - t0)
+    edges = torch.linspace(0, span, 101, dtype=torch.float64)
+    live = [int(((start - t0 <= e) & (end - t0 > e)).sum()) for e in edges[:-1]]
+    out = {
+        "mode": mode,
+        "N": N,
+        "columns": columns,
+        "graph_ms": ms,
+        "span_us": span / 1e3,
+        "sm_ghz": ghz,
+        "life_us_median": q(life_ns, 0.5) / 1e3,
+        "life_us_p10_p90": (q(life_ns, 0.1) / 1e3, q(life_ns, 0.9) / 1e3),
+        "cycles_median_issued_landed_pass1_end": [q(cyc[:, i], 0.5) for i in range(4)],
+        "first_start_to_last_start_us": float(start.max() - t0) / 1e3,
+        "live_ctas_per_1pct_of_span": live,
+    }
+    print(json.dumps(out), flush=True)
