@@ -32,11 +32,19 @@ namespace kda {
 namespace {
 
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
-
-__device__ __forceinline__ float load_float(const void* base, int64_t i, bool is_float32) {
-  return is_float32 ? static_cast<const float*>(base)[i] : __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+// A diagnostic build (-DKDA_DECODE_TRACE=1, benchmarks/decode_trace.py) writes, over each CTA's
+// first output row, when it started and ended and the clock cycles to four points of its life.
+#ifndef KDA_DECODE_TRACE
+#define KDA_DECODE_TRACE 0
+#endif
+#if KDA_DECODE_TRACE
+__device__ __forceinline__ int64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return int64_t(t);
 }
+#endif
+static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
 
 __device__ __forceinline__ int64_t load_index(const void* base, int64_t i, bool is_int64) {
   return is_int64 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
@@ -159,6 +167,10 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
+#if KDA_DECODE_TRACE
+  const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
+  int64_t trace_c[4] = {};
+#endif
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
   const int64_t pair = blockIdx.x / kSlices;
   const int64_t HV = p.value_heads, n = pair / HV, i_hv = pair % HV, i_h = i_hv / (HV / p.heads);
@@ -191,23 +203,33 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
 
-  // A token's inputs at the thread's K index, as stored: q, k, g, and beta.
+  // A token's inputs at the thread's K index, as stored: q, k, g, and beta, their bits held
+  // unconverted (a bf16 value in the low half) until the token loop uses them.
   struct TokenInputs {
-    float q, k, g, beta;
+    uint32_t q, k, g, beta;
+    __device__ float value(uint32_t bits, bool is_float32) const {
+      return __uint_as_float(is_float32 ? bits : bits << 16);
+    }
+  };
+  const auto load_bits = [](const void* base, int64_t i, bool is_float32) -> uint32_t {
+    return is_float32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
   };
   const auto load_token = [&](int64_t t) {
     TokenInputs in;
     const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
-    in.q = __bfloat162float(p.q[qk_at]);
-    in.k = __bfloat162float(p.k[qk_at]);
-    in.g = load_float(p.g, row * kHeadDim + tid, flags & kGFloat32);
-    in.beta = load_float(p.beta, row, flags & kBetaFloat32);
+    in.q = load_bits(p.q, qk_at, false);
+    in.k = load_bits(p.k, qk_at, false);
+    in.g = load_bits(p.g, row * kHeadDim + tid, flags & kGFloat32);
+    in.beta = load_bits(p.beta, row, flags & kBetaFloat32);
     return in;
   };
   // The first token's inputs are loaded before the staging, so that their latency overlaps the
   // slot index's and the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms,
   // N=256 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 ->
-  // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM).
+  // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM). They
+  // stay unconverted until the token loop: converted where they were loaded, they held the bulk
+  // copy's issue back by a global load's latency, 2.8 us of a CTA's 9.6 (run 62's trace, bf16
+  // whole heads at N=256, benchmarks/NOTES.md).
   const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
   // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
   // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
@@ -237,6 +259,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #pragma unroll 1
     for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
   }
+#if KDA_DECODE_TRACE
+  trace_c[0] = clock64() - trace_c0;
+#endif
   // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
   // each thread's own runs, all it reads before the first CTA barrier)
   const auto wait_staged = [&] {
@@ -261,8 +286,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // Prologue: thread tid holds K index tid of q, k and the decay.
     const int64_t row = t * HV + i_hv;
     const TokenInputs in = t == bos ? first_inputs : load_token(t);
-    const float qv = in.q, kv = in.k;
-    float gv = in.g, beta = in.beta;
+    const float qv = in.value(in.q, false), kv = in.value(in.k, false);
+    float gv = in.value(in.g, flags & kGFloat32), beta = in.value(in.beta, flags & kBetaFloat32);
     if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
     if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
     float vc[kColumns];
@@ -286,6 +311,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if (!staged) {
       wait_staged();
       staged = true;
+#if KDA_DECODE_TRACE
+      trace_c[1] = clock64() - trace_c0;
+#endif
     }
     __syncthreads();
     float qq = 0.f, kk = 0.f, qk = 0.f;
@@ -359,6 +387,9 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         }
       }
     }
+#if KDA_DECODE_TRACE
+    trace_c[2] = clock64() - trace_c0;
+#endif
     // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
     // and the new state S d + k^ u^T = S d + k (rk u)^T.
     float u_k[kColumns];
@@ -401,6 +432,21 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
   // Either way the staging copy is waited for: no CTA leaves with a bulk copy still writing
   // into its shared memory (the token loop waits at its first token).
+#if KDA_DECODE_TRACE
+  trace_c[3] = clock64() - trace_c0;
+  const int64_t trace_ns1 = global_ns();
+  __syncthreads();
+  if (tid == 0 && bos < eos) {
+    uint32_t sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    int64_t* at = reinterpret_cast<int64_t*>(p.o + (bos * HV + i_hv) * kHeadDim);
+    at[0] = trace_ns0;
+    at[1] = trace_ns1;
+    for (int i = 0; i < 4; ++i) at[2 + i] = trace_c[i];
+    at[6] = sm;
+    at[7] = i_v;
+  }
+#endif
   if (bos == eos) wait_staged();
   if (bos == eos && store_ht && p.h0 != p.ht) {
     E* dst = destination(first);
