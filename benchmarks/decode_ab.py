@@ -13,13 +13,10 @@ import sys
 
 import torch
 
-import kda
-from kda.api import checked_problem
-from kda.bench_decode import decode_inputs, graph_ms, kw_indices
+from kda.bench_decode import decode_problem, graph_ms
 from kda.cuda.decode import decode
 from kda.reference import relative_rms
 from kda.triton.decode import decode as triton_decode
-from kda.validation import check_pool
 
 label = sys.argv[1]
 sizes = [int(n) for n in sys.argv[2:]] or [32, 256, 1024]
@@ -31,29 +28,19 @@ if os.environ.get("DECODE_AB_WIDTHS"):  # e.g. "bfloat16:128 float32:64": only t
         WIDTHS[getattr(torch, dtype)] = WIDTHS.get(getattr(torch, dtype), ()) + (int(columns),)
 
 
-def problem(N: int, state_dtype, mode: str):
-    """A fresh problem each call: a pool is updated in place, so each run gets its own."""
-    t, kw = decode_inputs(N, state_dtype=state_dtype)
-    if mode == "plain":
-        kw_plain = dict(kw, output_final_state=True, final_state_dtype=state_dtype)
-        return checked_problem(kda.fused_recurrent_kda, *t, **kw_plain)
-    kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
-    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
-
-
 out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "err": {}}
 for state_dtype in WIDTHS:
     for mode in ("plain", "pool"):
         for columns in WIDTHS[state_dtype]:
             name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
             # accuracy against Triton on the smallest size; the pool's own state is the output
-            p_cuda, p_ref = problem(sizes[0], state_dtype, mode), problem(sizes[0], state_dtype, mode)
+            p_cuda, p_ref = decode_problem(sizes[0], state_dtype, mode), decode_problem(sizes[0], state_dtype, mode)
             o, ht = decode(p_cuda, columns)
             o_ref, ht_ref = triton_decode(p_ref)
             if mode == "pool":
                 ht, ht_ref = p_cuda.pool, p_ref.pool
             out["err"][name] = (relative_rms(o, o_ref), relative_rms(ht, ht_ref))
             for N in sizes:
-                p = problem(N, state_dtype, mode)
+                p = decode_problem(N, state_dtype, mode)
                 out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns: decode(p, c))
 print(json.dumps(out))

@@ -1,7 +1,7 @@
 """Where a decode CTA's time goes (a build with -DKDA_DECODE_TRACE=1, ``KDA_CUDA_KERNELS_DIR``):
 each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
 from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
-SM. ``python benchmarks/decode_trace.py N [columns]``: per mode (plain call, pool) the medians,
+SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (plain call, pool) the medians,
 the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail)."""
 
 import json
@@ -9,24 +9,12 @@ import sys
 
 import torch
 
-import kda
-from kda.api import checked_problem
-from kda.bench_decode import decode_inputs, graph_ms, kw_indices
+from kda.bench_decode import decode_problem, graph_ms
 from kda.cuda.decode import decode
-from kda.validation import check_pool
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 columns = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
-
-
-def problem(mode):
-    t, kw = decode_inputs(N, state_dtype=dtype)
-    if mode == "plain":
-        kw_plain = dict(kw, output_final_state=True, final_state_dtype=dtype)
-        return checked_problem(kda.fused_recurrent_kda, *t, **kw_plain)
-    kw_pool = {k: x for k, x in kw.items() if k != "initial_state"}
-    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
 
 
 def q(x, f):
@@ -34,7 +22,7 @@ def q(x, f):
 
 
 for mode in ("plain", "pool"):
-    p = problem(mode)
+    p = decode_problem(N, dtype, mode)
     ms = graph_ms(lambda: decode(p, columns))
     for _ in range(5):  # back-to-back launches, the last one read
         o, _ = decode(p, columns)

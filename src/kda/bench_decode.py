@@ -165,24 +165,32 @@ def sweep(N: int) -> dict:
     return out
 
 
+def decode_problem(N: int, state_dtype, mode: str):
+    """The CUDA decode kernel's problem on :func:`decode_inputs`: a plain call (``initial_state``
+    -> a new final state in ``state_dtype``) or a pool updated in place (``mode``), fresh each call."""
+    import kda
+    from kda.api import checked_problem
+    from kda.validation import check_pool
+
+    t, kw = decode_inputs(N, state_dtype=state_dtype)
+    if mode == "plain":
+        return checked_problem(
+            kda.fused_recurrent_kda, *t, **kw, output_final_state=True, final_state_dtype=state_dtype
+        )
+    kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
+    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
+
+
 def cuda_sweep(N: int) -> dict:
     """The CUDA decode kernel's graph-replay time at each CTA width, plain call and pool, both
     state dtypes (columns -> ms)."""
-    import kda
     from kda import abi
-    from kda.api import checked_problem
     from kda.cuda.decode import decode
-    from kda.validation import check_pool
 
     out = {}
     for state_dtype in (torch.float32, torch.bfloat16):
-        t, kw = decode_inputs(N, state_dtype=state_dtype)
-        plain = checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True,
-                                final_state_dtype=state_dtype)  # fmt: skip
-        kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
-        pool = check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N),
-                          None)  # fmt: skip
-        for mode, p in (("plain", plain), ("pool", pool)):
+        for mode in ("plain", "pool"):
+            p = decode_problem(N, state_dtype, mode)
             for columns in abi.DECODE_COLUMNS:
                 name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
                 out[name] = graph_ms(lambda p=p, c=columns: decode(p, c))
