@@ -32,6 +32,8 @@ namespace kda {
 namespace {
 
 constexpr int kDecodeWarps = kDecodeThreads / 32;
+static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
+
 // A diagnostic build (-DKDA_DECODE_TRACE=1, benchmarks/decode_trace.py) writes, over each CTA's
 // first output row, when it started and ended and the clock cycles to four points of its life.
 #ifndef KDA_DECODE_TRACE
@@ -44,7 +46,6 @@ __device__ __forceinline__ int64_t global_ns() {
   return int64_t(t);
 }
 #endif
-static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread one K index");
 
 __device__ __forceinline__ int64_t load_index(const void* base, int64_t i, bool is_int64) {
   return is_int64 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
