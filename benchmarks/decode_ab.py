@@ -1,8 +1,6 @@
 """The CUDA decode kernel of one build (``KDA_CUDA_KERNELS_DIR``), timed and checked, for an
 A/B of decode.cu variants in alternating processes (benchmarks/gpu_session.sh step
-``decodeab``): ``python benchmarks/decode_ab.py LABEL [N ...]``. A label ending in ``:items``
-launches one CTA an item (a build from before 2026-12-03's resident CTAs must: its CTAs do not
-walk the items past their own), else as many CTAs as the GPU holds.
+``decodeab``): ``python benchmarks/decode_ab.py LABEL [N ...]``.
 
 Per state dtype, mode (plain call, pool) and CTA width: the graph-replay time on the inputs
 of ``kda bench --decode`` (kda.bench_decode.decode_inputs), and the output and new state
@@ -21,7 +19,6 @@ from kda.reference import relative_rms
 from kda.triton.decode import decode as triton_decode
 
 label = sys.argv[1]
-ctas = 2**30 if label.endswith(":items") else None  # (decode launches min(items, ctas))
 sizes = [int(n) for n in sys.argv[2:]] or [32, 256, 1024]
 WIDTHS = {torch.float32: (32, 64), torch.bfloat16: (64, 128)}
 if os.environ.get("DECODE_AB_WIDTHS"):  # e.g. "bfloat16:128 float32:64": only these
@@ -38,12 +35,12 @@ for state_dtype in WIDTHS:
             name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
             # accuracy against Triton on the smallest size; the pool's own state is the output
             p_cuda, p_ref = decode_problem(sizes[0], state_dtype, mode), decode_problem(sizes[0], state_dtype, mode)
-            o, ht = decode(p_cuda, columns, ctas)
+            o, ht = decode(p_cuda, columns)
             o_ref, ht_ref = triton_decode(p_ref)
             if mode == "pool":
                 ht, ht_ref = p_cuda.pool, p_ref.pool
             out["err"][name] = (relative_rms(o, o_ref), relative_rms(ht, ht_ref))
             for N in sizes:
                 p = decode_problem(N, state_dtype, mode)
-                out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns: decode(p, c, ctas))
+                out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns: decode(p, c))
 print(json.dumps(out))

@@ -1,10 +1,8 @@
-"""Where a decode item's time goes (a build with -DKDA_DECODE_TRACE=1, ``KDA_CUDA_KERNELS_DIR``):
-each item a CTA takes (sequence, value head, V slice) writes, over its output row, its start and
-end (%globaltimer, ns), the clock64 cycles from its start to four points (its slice's staging
-issued: negative where the CTA's previous item issued it, since 2026-12-03's resident CTAs; slice
-landed, pass 1 done, stores issued) and its SM. ``python benchmarks/decode_trace.py N [columns
-[state dtype]]``: per mode (plain call, pool) the medians, the SM clock, and how many items were in
-progress over the kernel's span (its ramp and tail)."""
+"""Where a decode CTA's time goes (a build with -DKDA_DECODE_TRACE=1, ``KDA_CUDA_KERNELS_DIR``):
+each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
+from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
+SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (plain call, pool) the medians,
+the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail)."""
 
 import json
 import sys
@@ -49,6 +47,6 @@ for mode in ("plain", "pool"):
         "life_us_p10_p90": (q(life_ns, 0.1) / 1e3, q(life_ns, 0.9) / 1e3),
         "cycles_median_issued_landed_pass1_end": [q(cyc[:, i], 0.5) for i in range(4)],
         "first_start_to_last_start_us": float(start.max() - t0) / 1e3,
-        "live_items_per_1pct_of_span": live,
+        "live_ctas_per_1pct_of_span": live,
     }
     print(json.dumps(out), flush=True)

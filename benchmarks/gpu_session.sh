@@ -159,10 +159,9 @@ if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_rec
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds A/B'd: DECODE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
-  # (a dir:items entry launches one CTA an item: decode_ab.py)
   for round in 1 2; do
     for dir in ${DECODE_AB_DIRS:-.kernels}; do
-      KDA_CUDA_KERNELS_DIR=$PWD/${dir%%:*} timeout 150 python3 benchmarks/decode_ab.py "$dir" ${DECODE_AB_SIZES:-32 256 1024} \
+      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/decode_ab.py "$dir" ${DECODE_AB_SIZES:-32 256 1024} \
         >> "$OUT/decode-ab.jsonl" 2>> "$OUT/decode-ab.log"
     done
   done

@@ -48,11 +48,10 @@ def recurrent_kwargs(case, **over):
     neg_eigval=st.booleans(),
     narrow=st.booleans(),  # g and beta in bf16 (else float32)
     columns=st.sampled_from(abi.DECODE_COLUMNS),
-    ctas=st.sampled_from([None, 1, 3]),  # None: one CTA an item here; else CTAs that walk several items
     seed=st.integers(0, 9999),
 )
 def test_gpu_cuda_decode_matches_the_fp64_token_loop(
-    lens, batch, T, state, gate, group, layout, l2norm, neg_eigval, narrow, columns, ctas, seed
+    lens, batch, T, state, gate, group, layout, l2norm, neg_eigval, narrow, columns, seed
 ):  # fmt: skip
     dtype = torch.bfloat16 if state == "bfloat16" else torch.float32
     if dtype == torch.bfloat16:  # the kernel keeps a bf16 state in bf16: one token a sequence
@@ -69,7 +68,7 @@ def test_gpu_cuda_decode_matches_the_fp64_token_loop(
     assert BACKEND.rejects(p) is None, BACKEND.rejects(p)
     from kda.cuda.decode import decode
 
-    o, ht = decode(p, columns, ctas)
+    o, ht = decode(p, columns)
     torch.cuda.synchronize()
     o_ref, ht_ref = fp64_reference(case, allow_neg_eigval=neg_eigval)
     assert ht.dtype == dtype
@@ -88,23 +87,12 @@ def start_states(pool, slots):
                         for s in slots])  # fmt: skip
 
 
-def few_resident_ctas(monkeypatch, ctas):
-    """Launch the decode kernel with ``ctas`` CTAs (None: as many as the GPU holds), so that each
-    walks several items, slots read and slots skipped among them."""
-    if ctas is not None:
-        from kda.cuda import loader
-
-        monkeypatch.setattr(loader.Kernels, "resident_ctas", lambda self, name, device, threads: ctas)
-
-
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("ctas", [None, 2])
-def test_gpu_cuda_pool_reads_and_writes_the_named_slots_only(pool_dtype, layout, index_dtype, ctas, monkeypatch):
+def test_gpu_cuda_pool_reads_and_writes_the_named_slots_only(pool_dtype, layout, index_dtype):
     """One token for each of five sequences through slots 5, 2 and 0; -1 is padding and 9 is
     out of range (P = 7): both start from zeros and write nothing."""
-    few_resident_ctas(monkeypatch, ctas)
     slots = [5, -1, 2, 9, 0]
     case = decode_case(B=len(slots), T=1, HV=4, group=2, layout=layout, seed=31)
     pool = pool_of(7, 4, layout, pool_dtype, seed=32)
@@ -124,13 +112,11 @@ def test_gpu_cuda_pool_reads_and_writes_the_named_slots_only(pool_dtype, layout,
     assert torch.equal(pool[untouched], before[untouched]), "a slot not named changed"
 
 
-@pytest.mark.parametrize("ctas", [None, 1])
-def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens(ctas, monkeypatch):
+def test_gpu_cuda_pool_with_2d_indices_and_accepted_tokens():
     """Speculative decoding: sequence n starts from indices[n, accepted[n] - 1] (counts outside
     [1, S] clamped into the row) and writes the state after its token t to indices[n, t];
     padding (-1) and out-of-range slots are skipped. Against the torch backend's pool (the
     float64 token loop of reference.pooled_recurrent_kda) on the same values."""
-    few_resident_ctas(monkeypatch, ctas)
     lens, P = [3, 1, 4, 2], 12
     idx = torch.tensor([[0, 1, 2, -1], [3, -1, -1, -1], [4, 5, 6, 7], [8, 20, -1, -1]], device="cuda")
     accepted = torch.tensor([2, 1, 9, 0], device="cuda")  # 9 and 0: clamped to 4 and 1
@@ -218,11 +204,9 @@ def test_gpu_cuda_pool_decode_replays_in_a_graph_with_new_indices_and_tokens():
         assert torch.equal(replayed_o, want_o) and torch.equal(replayed_pool, pool)
 
 
-@pytest.mark.parametrize("ctas", [None, 1])
-def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone(ctas, monkeypatch):
+def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone():
     """Sequences 0 and 2 name slot 1, sequence 2 has no tokens: slot 1 ends as sequence 0 left
     it (no write-back from the empty sequence to race with it), as the torch loop gives."""
-    few_resident_ctas(monkeypatch, ctas)
     lens, slots, P = [3, 2, 0], [1, 4, 1], 6
     case = decode_case(lens, HV=2, seed=40)
     pool = pool_of(P, 2, False, torch.float32, seed=41)
@@ -237,21 +221,3 @@ def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone(ctas, monke
     for s in (1, 4):
         assert rel(pool[s], model[s]) <= STATE_BAR[torch.float32], s
     assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
-
-
-def test_gpu_decode_kernels_hold_three_to_ten_ctas_an_sm():
-    """The resident CTAs the launch asks the driver for (its grid when the items outnumber
-    them) are a whole number an SM, within decode.cu's decode_ctas_per_sm bounds: three (float32
-    whole heads, by shared memory) to ten."""
-    from kda.cuda import loader
-
-    kernels = loader.kernels()
-    device = torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    kernels.configure(device)
-    with kernels.lock:
-        kernels.bind_context(device)
-        per_sm = {name: kernels.resident_ctas(name, device, abi.DECODE_THREADS) / sms
-                  for name in loader.DECODE_KERNELS.values()}  # fmt: skip
-    assert all(x == int(x) and 3 <= x <= 10 for x in per_sm.values()), per_sm
-    assert per_sm[loader.DECODE_KERNELS[("bfloat16", False, 128)]] == 5, per_sm  # by its 38968 B of shared memory

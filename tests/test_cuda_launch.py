@@ -60,10 +60,6 @@ def load_kernels(monkeypatch, tmp_path):
         "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
         "cuKernelSetAttribute": lambda *args: (OK,),
         "cuCtxGetCurrent": lambda: (OK, driver.CUcontext(0x77)),
-        # the decode launch's residency: 132 SMs of 5 CTAs (tests may patch either)
-        "cuKernelGetFunction": lambda kernel: (OK, driver.CUfunction(int(kernel))),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor": lambda function, threads, shared: (OK, 5),
-        "cuDeviceGetAttribute": lambda attribute, device: (OK, 132),
     }.items():
         monkeypatch.setattr(driver, name, stub)
     for artefact in loader.ARTEFACTS:
@@ -269,36 +265,7 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     columns = 64  # float32 states (cuda_decode.DEFAULT_COLUMNS)
     name = loader.DECODE_KERNELS[("float32", mode == 1, columns)]
     assert args[0] == int(kernels.kernels[name])
-    assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)  # 24 items, 660 CTAs resident
-
-
-def test_cuda_decode_launches_no_more_ctas_than_the_gpu_holds(load_kernels, monkeypatch):
-    """The grid is the smaller of the items (sequence, value head, V slice) and the CTAs the
-    device holds at once (the driver's occupancy for that kernel times the SM count, asked once
-    per kernel and device), or of ``ctas`` where given; a CTA walks the items beyond it."""
-    from kda.cuda import decode as cuda_decode
-
-    asked = []
-
-    def occupancy(function, threads, shared):
-        asked.append((int(function), threads, shared))
-        return OK, 3
-
-    monkeypatch.setattr(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", occupancy)
-    monkeypatch.setattr(driver, "cuDeviceGetAttribute", lambda attribute, device: (OK, 2))
-    libcuda, kernels = fake_device(load_kernels, monkeypatch, loader.DecodeParams)
-    case = make_case(B=5, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7)
-    kw = case.kwargs()
-    kw.pop("safe_gate")
-    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
-    for ctas in (None, None, 4, 100):
-        cuda_decode.decode(p, ctas=ctas)
-    grids = [args[1] for args, _ in libcuda.calls]
-    assert grids == [6, 6, 4, 40], grids  # 40 items (5 x 4 x 2 slices of 64 columns); 2 SMs x 3 CTAs
-    name = loader.DECODE_KERNELS[("float32", False, 64)]
-    assert asked == [(int(kernels.kernels[name]), 128, 0)], "the occupancy is asked once per kernel"
-    with pytest.raises(ValueError, match="ctas must be a positive"):
-        cuda_decode.decode(p, ctas=0)
+    assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 
 
 def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():

@@ -146,7 +146,7 @@ constexpr int decode_ctas_per_sm() {
 }
 
 template <typename E, bool VFirst, int BV>
-__device__ __forceinline__ void decode_slices(const DecodeParams& p) {
+__device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   using Own = Ownership<E, VFirst, BV>;
   using R = Run<E>;
   constexpr int kVec = Own::kVec, kRuns = Own::kRuns, kThreadsC = Own::kThreadsC, kThreadsK = Own::kThreadsK;
@@ -154,7 +154,6 @@ __device__ __forceinline__ void decode_slices(const DecodeParams& p) {
   constexpr int kSlices = kHeadDim / BV;
   constexpr int64_t kHeadElements = int64_t(kHeadDim) * kHeadDim;
   constexpr int kTileBytes = kHeadDim * BV * int(sizeof(E));  // the slice, one copy's worth
-  constexpr bool kOneCopy = VFirst || BV == kHeadDim;  // a contiguous slice: one bulk copy
   __shared__ alignas(16) E tile[kHeadDim * BV];  // the slice, as stored in memory
   // The token's per-K vectors (d, k, d k, d q) and sums, one buffer: a CTA barrier ends each
   // token that another follows, before the next prologue overwrites them. (Buffers by token
@@ -163,354 +162,298 @@ __device__ __forceinline__ void decode_slices(const DecodeParams& p) {
   __shared__ float4 s_vec[kHeadDim];
   __shared__ float s_sums[kDecodeWarps][3];
   __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
-  __shared__ uint64_t staged_bar;  // the slice's bulk copies land on it
-  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(staged_bar) ==
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) ==
                     decode_shared_bytes<E, BV>(),
                 "decode_shared_bytes counts every array (and the staging barrier)");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
-  const int64_t HV = p.value_heads, flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
-  const int64_t group = HV / p.heads;
+#if KDA_DECODE_TRACE
+  const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
+  int64_t trace_c[4] = {};
+#endif
+  const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
+  const int64_t pair = blockIdx.x / kSlices;
+  const int64_t HV = p.value_heads, n = pair / HV, i_hv = pair % HV, i_h = i_hv / (HV / p.heads);
+  const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
   const bool idx64 = flags & kIndicesInt64;
-  const int64_t items = p.num_seqs * HV * kSlices, slot_elements = HV * kHeadElements;
+
+  int64_t bos, eos;
+  if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
+    bos = min(max(p.seq_offsets[n], int64_t(0)), T);
+    eos = min(max(p.seq_offsets[n + 1], bos), T);
+    if (mode == 2) eos = min(eos, bos + cols);  // and no token past the row of indices
+  } else {
+    bos = n * T;
+    eos = bos + T;
+  }
+  int64_t first = n;
+  if (mode == 1) {
+    first = load_index(p.indices, n, idx64);
+  } else if (mode == 2) {
+    int64_t col = 0;
+    if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
+      col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
+    first = load_index(p.indices, n * cols + col, idx64);
+  }
+  const int64_t slot_elements = HV * kHeadElements;
+  const int64_t head_origin = i_hv * kHeadElements;
   const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
-  const auto reads = [&](int64_t slot) { return (flags & kHasH0) && in_pool(slot); };  // (CTA-uniform)
-  // An item is a (sequence, value head, slice); the slot its first token reads (index loads).
-  struct Item {
-    int64_t n, i_hv;
-    int i_v;
-  };
-  const auto locate = [&](int64_t item) {
-    Item it;
-    it.i_v = int(item % kSlices);
-    const int64_t pair = item / kSlices;
-    it.n = pair / HV;
-    it.i_hv = pair - it.n * HV;
-    return it;
-  };
-  const auto first_slot = [&](int64_t n) -> int64_t {
-    if (mode == 1) return load_index(p.indices, n, idx64);
-    if (mode == 2) {
-      int64_t col = 0;
-      if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
-        col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
-      return load_index(p.indices, n * cols + col, idx64);
-    }
-    return n;
-  };
   // Piece i of the slice (BV values; see the staging below), from the head's state origin.
-  const auto piece_offset = [&](int i, int v0) {
+  const auto piece_offset = [&](int i) {
     return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
   };
-  // Stage an item's slice (zeros without an initial state or a slot) through the bulk-copy unit
-  // onto one mbarrier, whose byte count thread 0 has posted: a contiguous slice ([V, K], or a
-  // whole [K, V] head) in one copy, a [K, V] slice of BV < 128 columns as 128 rows, a copy a
-  // thread (which the compiler issues one lane at a time: a bulk copy takes its addresses in
-  // uniform registers). On the H200 (run 52, benchmarks/NOTES.md, 2026-12-03) the row copies
-  // took fp32 N=32 from 0.0416 to 0.0402 ms and bf16 N=256 at 64 columns from 0.1590 to 0.1476
-  // against 16-byte cp.async copies a thread (15 instructions a run on the L1 pipe); run 53: one
-  // copy of a whole bf16 head 0.1589 -> 0.1485 against row copies. Called by thread 0 alone
-  // (by_thread0: the one copy of a contiguous slice), and by every thread after a CTA barrier that
-  // follows every read of the tile (the row copies, or the zeros).
-  const auto stage = [&](const Item& it, int64_t slot, bool by_thread0) {
-    if (reads(slot)) {
-      const E* src = static_cast<const E*>(p.h0) + slot * slot_elements + it.i_hv * kHeadElements;
-      if constexpr (kOneCopy) {
-        if (by_thread0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0, it.i_v * BV), &staged_bar, tile, kTileBytes);
-      } else if (!by_thread0) {
-        cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid, it.i_v * BV), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
-      }
-    } else if (!by_thread0) {
-#pragma unroll 1
-      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
+
+  // A token's inputs at the thread's K index, as stored: q, k, g, and beta, their bits held
+  // unconverted (a bf16 value in the low half) until the token loop uses them.
+  struct TokenInputs {
+    uint32_t q, k, g, beta;
+    __device__ float value(uint32_t bits, bool is_float32) const {
+      return __uint_as_float(is_float32 ? bits : bits << 16);
     }
   };
-
-  int64_t item = blockIdx.x;
-  if (item >= items) return;  // (the host launches at most one CTA an item)
-  Item it = locate(item);
-  int64_t first = first_slot(it.n);
-  uint32_t phase = 0;  // of staged_bar: flips at each slice that lands
-#if KDA_DECODE_TRACE
-  int64_t trace_issued = clock64();
-#endif
-  if (tid == 0) {
-    cute::initialize_barrier(staged_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (reads(first)) cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
-    stage(it, first, true);
+  const auto load_bits = [](const void* base, int64_t i, bool is_float32) -> uint32_t {
+    return is_float32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
+  };
+  const auto load_token = [&](int64_t t) {
+    TokenInputs in;
+    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
+    in.q = load_bits(p.q, qk_at, false);
+    in.k = load_bits(p.k, qk_at, false);
+    in.g = load_bits(p.g, row * kHeadDim + tid, flags & kGFloat32);
+    in.beta = load_bits(p.beta, row, flags & kBetaFloat32);
+    return in;
+  };
+  // The first token's inputs are loaded before the staging, so that their latency overlaps the
+  // slot index's and the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms,
+  // N=256 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 ->
+  // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM). They
+  // stay unconverted until the token loop: converted where they were loaded, they held the bulk
+  // copy's issue back by a global load's latency, 2.8 us of a CTA's 9.6 (run 62's trace, bf16
+  // whole heads at N=256, benchmarks/NOTES.md).
+  const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
+  // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
+  // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
+  // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
+  // at a time: a bulk copy takes its addresses in uniform registers). On the H200 (run 52,
+  // benchmarks/NOTES.md, 2026-12-03) the row copies took fp32 N=32 from 0.0416 to 0.0402 ms and
+  // bf16 N=256 at 64 columns from 0.1590 to 0.1476 against 16-byte cp.async copies a thread (15
+  // instructions a run on the L1 pipe); run 53: one copy of a whole bf16 head 0.1589 -> 0.1485
+  // against row copies.
+  const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
+  __shared__ uint64_t staged_bar;
+  if (read) {
+    if (tid == 0) {
+      cute::initialize_barrier(staged_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
+    }
+    const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
+    if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
+      if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
+      __syncthreads();  // initialised before any thread waits on it
+    } else {
+      __syncthreads();  // initialised, and the byte count posted, before any piece is issued
+      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+    }
+  } else {
+#pragma unroll 1
+    for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
   }
-  __syncthreads();  // initialised, and the byte count posted, before any thread waits or any piece is issued
-  stage(it, first, false);
+#if KDA_DECODE_TRACE
+  trace_c[0] = clock64() - trace_c0;
+#endif
+  // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
+  // each thread's own runs, all it reads before the first CTA barrier)
+  const auto wait_staged = [&] {
+    if (read) mbarrier_wait(staged_bar, 0);
+  };
+  const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
+  const auto destination = [&](int64_t slot) {
+    return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
+  };
+  // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
+  const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
+  const bool writes_o = own.tk == 0;  // one thread of each column writes its output
 
   const bool gate_lower_bound = flags & kGateLowerBound;
+  const float gate_mul = (gate_lower_bound && (flags & kHasALog)) ? expf(p.A_log[i_hv]) : 1.f;
+  const float bias = (gate_lower_bound && (flags & kHasDtBias)) ? p.dt_bias[i_hv * kHeadDim + tid] : 0.f;
   const float lower_bound = static_cast<float>(p.lower_bound), scale = static_cast<float>(p.scale);
   const float beta_scale = static_cast<float>(p.beta_scale);
   const bool store_ht = mode != 2 && (flags & kStoreHt);
-  const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
-  const bool writes_o = own.tk == 0;  // one thread of each column writes its output
-
-  // A CTA walks items blockIdx.x, + gridDim.x, ... (the host launches as many CTAs as the SMs
-  // hold, kda.cuda.decode), and stages the next item's slice as soon as the current one's last
-  // pass has read the tile: the copy is issued without a CTA's launch, prologue and slot-index
-  // load ahead of it, and the slot index is loaded an item ahead.
-  for (;;) {
+  bool staged = false;
+  for (int64_t t = bos; t < eos; ++t) {
+    // Prologue: thread tid holds K index tid of q, k and the decay.
+    const int64_t row = t * HV + i_hv;
+    const TokenInputs in = t == bos ? first_inputs : load_token(t);
+    const float qv = in.value(in.q, false), kv = in.value(in.k, false);
+    float gv = in.value(in.g, flags & kGFloat32), beta = in.value(in.beta, flags & kBetaFloat32);
+    if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
+    if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
+    float vc[kColumns];
+    if constexpr (VFirst) {
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
+    } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: kda.cuda.misaligned)
+      const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
+    }
+    const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
+    float sums[3] = {qv * qv, kv * kv, qv * kv};
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
+    if (lane == 0)
+      for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
+    const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
+    s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
+    if (!staged) {
+      wait_staged();
+      staged = true;
 #if KDA_DECODE_TRACE
-    const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
-    int64_t trace_c[4] = {trace_issued - trace_c0, 0, 0, 0};
+      trace_c[1] = clock64() - trace_c0;
 #endif
-    const int64_t next = item + gridDim.x;
-    const Item next_it = locate(next);
-    const int64_t next_first = next < items ? first_slot(next_it.n) : -1;  // (its latency hides under this item)
-    const bool read = reads(first);
-    const int i_v = it.i_v, v0 = i_v * BV;
-    const int64_t n = it.n, i_hv = it.i_hv, i_h = i_hv / group, head_origin = i_hv * kHeadElements;
-
-    int64_t bos, eos;
-    if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
-      bos = min(max(p.seq_offsets[n], int64_t(0)), T);
-      eos = min(max(p.seq_offsets[n + 1], bos), T);
-      if (mode == 2) eos = min(eos, bos + cols);  // and no token past the row of indices
-    } else {
-      bos = n * T;
-      eos = bos + T;
+    }
+    __syncthreads();
+    float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      qq += s_sums[w][0];
+      kk += s_sums[w][1];
+      qk += s_sums[w][2];
+    }
+    float rq = 1.f, rk = 1.f;
+    if (flags & kL2norm) {
+      rq = rsqrtf(qq + kL2normEps);
+      rk = rsqrtf(kk + kL2normEps);
     }
 
-    // A token's inputs at the thread's K index, as stored: q, k, g, and beta, their bits held
-    // unconverted (a bf16 value in the low half) until the token loop uses them.
-    struct TokenInputs {
-      uint32_t q, k, g, beta;
-      __device__ float value(uint32_t bits, bool is_float32) const {
-        return __uint_as_float(is_float32 ? bits : bits << 16);
-      }
-    };
-    const auto load_bits = [](const void* base, int64_t i, bool is_float32) -> uint32_t {
-      return is_float32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
-    };
-    const auto load_token = [&](int64_t t) {
-      TokenInputs in;
-      const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
-      in.q = load_bits(p.q, qk_at, false);
-      in.k = load_bits(p.k, qk_at, false);
-      in.g = load_bits(p.g, row * kHeadDim + tid, flags & kGFloat32);
-      in.beta = load_bits(p.beta, row, flags & kBetaFloat32);
-      return in;
-    };
-    // The first token's inputs are loaded before the slice is waited for, so that their latency
-    // overlaps the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms, N=256
-    // 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 -> 0.0412;
-    // at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM). They stay
-    // unconverted until the token loop: converted where they were loaded, they held the bulk
-    // copy's issue back by a global load's latency, 2.8 us of a CTA's 9.6 (run 62's trace, bf16
-    // whole heads at N=256, benchmarks/NOTES.md).
-    const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
-    // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
-    // each thread's own runs, all it reads before the first CTA barrier)
-    const auto wait_staged = [&] {
-      if (read) {
-        mbarrier_wait(staged_bar, phase);
-        phase ^= 1;
-      }
-    };
-    const auto destination = [&](int64_t slot) {
-      return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
-    };
-    // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
-    const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
-    const float gate_mul = (gate_lower_bound && (flags & kHasALog)) ? expf(p.A_log[i_hv]) : 1.f;
-    const float bias = (gate_lower_bound && (flags & kHasDtBias)) ? p.dt_bias[i_hv * kHeadDim + tid] : 0.f;
-    bool staged = false;
-    for (int64_t t = bos; t < eos; ++t) {
-      // Prologue: thread tid holds K index tid of q, k and the decay.
-      const int64_t row = t * HV + i_hv;
-      const TokenInputs in = t == bos ? first_inputs : load_token(t);
-      const float qv = in.value(in.q, false), kv = in.value(in.k, false);
-      float gv = in.value(in.g, flags & kGFloat32), beta = in.value(in.beta, flags & kBetaFloat32);
-      if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
-      if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
-      float vc[kColumns];
-      if constexpr (VFirst) {
+    // Pass 1: (S d).k and (S d).q of each owned column, over the thread's K indices, then
+    // over the threads that share the column.
+    float dot_k[kColumns] = {}, dot_q[kColumns] = {};
+    if constexpr (VFirst) {
+      float2 dkq[kVec];  // (d k, d q) of the thread's K indices
 #pragma unroll
-        for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
-      } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: kda.cuda.misaligned)
-        const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
-      }
-      const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
-      float sums[3] = {qv * qv, kv * kv, qv * kv};
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2)
-        for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
-      if (lane == 0)
-        for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
-      const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
-      s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
-      if (!staged) {
-        wait_staged();
-        staged = true;
-#if KDA_DECODE_TRACE
-        trace_c[1] = clock64() - trace_c0;
-#endif
-      }
-      __syncthreads();
-      float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        qq += s_sums[w][0];
-        kk += s_sums[w][1];
-        qk += s_sums[w][2];
-      }
-      float rq = 1.f, rk = 1.f;
-      if (flags & kL2norm) {
-        rq = rsqrtf(qq + kL2normEps);
-        rk = rsqrtf(kk + kL2normEps);
-      }
-
-      // Pass 1: (S d).k and (S d).q of each owned column, over the thread's K indices, then
-      // over the threads that share the column.
-      float dot_k[kColumns] = {}, dot_q[kColumns] = {};
-      if constexpr (VFirst) {
-        float2 dkq[kVec];  // (d k, d q) of the thread's K indices
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
-#pragma unroll
-        for (int r = 0; r < kRuns; ++r) {
-          float x[kVec];
-          R::unpack(run(r), x);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            dot_k[r] = fmaf(x[e], dkq[e].x, dot_k[r]);
-            dot_q[r] = fmaf(x[e], dkq[e].y, dot_q[r]);
-          }
-        }
-#pragma unroll
-        for (int offset = 1; offset < kThreadsK; offset *= 2)  // the column's threads: lanes tk of one warp
-          for (int j = 0; j < kColumns; ++j) {
-            dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
-            dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
-          }
-      } else {
-#pragma unroll
-        for (int r = 0; r < kRuns; ++r) {
-          const float4 vec = s_vec[own.tk + kThreadsK * r];
-          float x[kVec];
-          R::unpack(run(r), x);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
-            dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
-          }
-        }
-#pragma unroll
-        for (int offset = kThreadsC; offset < 32; offset *= 2)  // the column's threads in this warp
-          for (int j = 0; j < kColumns; ++j) {
-            dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
-            dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
-          }
-        if (lane < kThreadsC)  // then over the warps
-          for (int j = 0; j < kColumns; ++j) {
-            s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
-            s_partial[warp][1][own.tc * kVec + j] = dot_q[j];
-          }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) {
-          dot_k[j] = s_partial[0][0][own.tc * kVec + j];
-          dot_q[j] = s_partial[0][1][own.tc * kVec + j];
-#pragma unroll
-          for (int w = 1; w < kDecodeWarps; ++w) {
-            dot_k[j] += s_partial[w][0][own.tc * kVec + j];
-            dot_q[j] += s_partial[w][1][own.tc * kVec + j];
-          }
-        }
-      }
-#if KDA_DECODE_TRACE
-      trace_c[2] = clock64() - trace_c0;
-#endif
-      // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
-      // and the new state S d + k^ u^T = S d + k (rk u)^T.
-      float u_k[kColumns];
-      BfloatRun<kColumns> o_run;  // [K, V] states: the thread's outputs, adjacent, stored at once
-#pragma unroll
-      for (int j = 0; j < kColumns; ++j) {
-        const float u = beta * (vc[j] - dot_k[j] * rk);
-        const __nv_bfloat16 o_j = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
-        if constexpr (VFirst) {
-          if (writes_o) p.o[row * kHeadDim + column(j)] = o_j;
-        } else {
-          o_run.x[j] = o_j;
-        }
-        u_k[j] = u * rk;
-      }
-      if constexpr (!VFirst)
-        if (writes_o) *reinterpret_cast<BfloatRun<kColumns>*>(p.o + row * kHeadDim + column(0)) = o_run;
-
-      // Pass 2: the new state, back into shared memory for the next token, and to memory where
-      // this token's state is stored (every token's with 2-D indices, else the last one's).
-      const bool last = t + 1 == eos;
-      E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          // (d, k) of the element's K index
-          const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
-          x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
+          dot_k[r] = fmaf(x[e], dkq[e].x, dot_k[r]);
+          dot_q[r] = fmaf(x[e], dkq[e].y, dot_q[r]);
         }
-        const uint4 updated = R::pack(x);
-        if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
-        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
       }
-      if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
+#pragma unroll
+      for (int offset = 1; offset < kThreadsK; offset *= 2)  // the column's threads: lanes tk of one warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
+        }
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+        const float4 vec = s_vec[own.tk + kThreadsK * r];
+        float x[kVec];
+        R::unpack(run(r), x);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
+          dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
+        }
+      }
+#pragma unroll
+      for (int offset = kThreadsC; offset < 32; offset *= 2)  // the column's threads in this warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
+        }
+      if (lane < kThreadsC)  // then over the warps
+        for (int j = 0; j < kColumns; ++j) {
+          s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
+          s_partial[warp][1][own.tc * kVec + j] = dot_q[j];
+        }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) {
+        dot_k[j] = s_partial[0][0][own.tc * kVec + j];
+        dot_q[j] = s_partial[0][1][own.tc * kVec + j];
+#pragma unroll
+        for (int w = 1; w < kDecodeWarps; ++w) {
+          dot_k[j] += s_partial[w][0][own.tc * kVec + j];
+          dot_q[j] += s_partial[w][1][own.tc * kVec + j];
+        }
+      }
     }
-    // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
-    // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
-    // Either way the staging copy is waited for: no slice is staged over one still landing, and
-    // no CTA leaves with a bulk copy still writing into its shared memory (the token loop waits
-    // at its first token).
-    if (bos == eos) wait_staged();
-    if (bos == eos && store_ht && p.h0 != p.ht) {
-      E* dst = destination(first);
-      if (dst != nullptr)
+#if KDA_DECODE_TRACE
+    trace_c[2] = clock64() - trace_c0;
+#endif
+    // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
+    // and the new state S d + k^ u^T = S d + k (rk u)^T.
+    float u_k[kColumns];
+    BfloatRun<kColumns> o_run;  // [K, V] states: the thread's outputs, adjacent, stored at once
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) {
+      const float u = beta * (vc[j] - dot_k[j] * rk);
+      const __nv_bfloat16 o_j = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
+      if constexpr (VFirst) {
+        if (writes_o) p.o[row * kHeadDim + column(j)] = o_j;
+      } else {
+        o_run.x[j] = o_j;
+      }
+      u_k[j] = u * rk;
+    }
+    if constexpr (!VFirst)
+      if (writes_o) *reinterpret_cast<BfloatRun<kColumns>*>(p.o + row * kHeadDim + column(0)) = o_run;
+
+    // Pass 2: the new state, back into shared memory for the next token, and to memory where
+    // this token's state is stored (every token's with 2-D indices, else the last one's).
+    const bool last = t + 1 == eos;
+    E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r) {
+      float x[kVec];
+      R::unpack(run(r), x);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // (d, k) of the element's K index
+        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
+        x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
+      }
+      const uint4 updated = R::pack(x);
+      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
+      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
+    }
+    if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
+  }
+  // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
+  // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
+  // Either way the staging copy is waited for: no CTA leaves with a bulk copy still writing
+  // into its shared memory (the token loop waits at its first token).
+#if KDA_DECODE_TRACE
+  trace_c[3] = clock64() - trace_c0;
+  const int64_t trace_ns1 = global_ns();
+  __syncthreads();
+  if (tid == 0 && bos < eos) {
+    uint32_t sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    int64_t* at = reinterpret_cast<int64_t*>(p.o + (bos * HV + i_hv) * kHeadDim);
+    at[0] = trace_ns0;
+    at[1] = trace_ns1;
+    for (int i = 0; i < 4; ++i) at[2 + i] = trace_c[i];
+    at[6] = sm;
+    at[7] = i_v;
+  }
+#endif
+  if (bos == eos) wait_staged();
+  if (bos == eos && store_ht && p.h0 != p.ht) {
+    E* dst = destination(first);
+    if (dst != nullptr)
 #pragma unroll 1
-        for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
-    }
-#if KDA_DECODE_TRACE
-    trace_c[3] = clock64() - trace_c0;
-    const int64_t trace_ns1 = global_ns();
-    __syncthreads();
-    if (tid == 0 && bos < eos) {
-      uint32_t sm;
-      asm("mov.u32 %0, %%smid;" : "=r"(sm));
-      int64_t* at = reinterpret_cast<int64_t*>(p.o + (bos * HV + i_hv) * kHeadDim);
-      at[0] = trace_ns0;
-      at[1] = trace_ns1;
-      for (int i = 0; i < 4; ++i) at[2 + i] = trace_c[i];
-      at[6] = sm;
-      at[7] = i_v;
-    }
-#endif
-    if (next >= items) break;
-    // The next item's slice: its byte count posted before the CTA barrier (so before any of its
-    // pieces can land; every thread has waited for this item's slice, so the phase is the next
-    // one's), this item's generic writes to the tile (pass 2 of a token that another followed, or
-    // zeros) ordered before the copy's writes by the proxy fence, and the barrier after every
-    // thread's last read of the tile and of s_vec.
-    item = next;
-    it = next_it;
-    first = next_first;
-    if (tid == 0 && reads(first)) cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
-    cute::tma_store_fence();  // fence.proxy.async.shared::cta
-    __syncthreads();
-#if KDA_DECODE_TRACE
-    trace_issued = clock64();
-#endif
-    if (tid == 0) stage(it, first, true);
-    stage(it, first, false);
+      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
   }
 }
 
@@ -519,7 +462,7 @@ __device__ __forceinline__ void decode_slices(const DecodeParams& p) {
 #define KDA_DECODE_ENTRY(NAME, E, VFIRST, BV)                                             \
   extern "C" __global__ void __launch_bounds__(kDecodeThreads, (decode_ctas_per_sm<E, VFIRST, BV>())) \
       NAME(const DecodeParams p) {                                                         \
-    decode_slices<E, VFIRST, BV>(p);                                                       \
+    decode_slice<E, VFIRST, BV>(p);                                                        \
   }
 
 // Names: abi.decode_kernel_name (state dtype, layout: kv = [K, V], vk = [V, K], columns).

@@ -1,6 +1,5 @@
 """The CUDA decode step (decode.cu): fill the DecodeParams block from a checked Problem and
-launch as many CTAs as the GPU holds at once (at most one per item), each walking the items
-(sequence, value head, slice of V columns) blockIdx.x, + gridDim.x, ...
+launch one CTA per (sequence, value head, slice of V columns).
 
 It takes what the CUDA chunk path takes (bf16 q, k, v; K = V = 128; the lower-bound gate or a
 precomputed g, read in bf16 or fp32) plus grouped value heads and state pools with 1-D or 2-D
@@ -102,11 +101,10 @@ def auto_refusal(p: Problem) -> str | None:
     return None
 
 
-def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``p`` (accepted by :func:`decode_rejects` and the CUDA backend) in one launch:
     ``(o, final state)``, a pool updated in place. ``columns``: V columns a CTA (one of
-    abi.DECODE_COLUMNS; benchmarks compare them). ``ctas``: at most this many CTAs instead of
-    the resident count (tests: each CTA then walks several items; benchmarks: one per item)."""
+    abi.DECODE_COLUMNS; benchmarks compare them)."""
     kernels, device_index, stream, _ = _launch_context(p)
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
     h0, ht = state_tensors(p)
@@ -141,13 +139,9 @@ def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> t
         bits, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
     name = loader.DECODE_KERNELS[(dtype, p.state_v_first, columns)]
-    items = cdiv(p.V, columns) * p.N * p.HV
-    if ctas is not None and ctas < 1:
-        raise ValueError(f"ctas must be a positive number of CTAs, got {ctas}")
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
-        grid = min(items, ctas or kernels.resident_ctas(name, device_index, abi.DECODE_THREADS))
         kernels.set_decode_params(params)
-        kernels.launch(name, (grid, 1), abi.DECODE_THREADS, 0, stream, decode=True)
+        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, decode=True)
     note("cuda:pooled_decode" if p.pool is not None else "cuda:decode")
     return o, ht

@@ -189,7 +189,6 @@ class Kernels:
         self.decode_params = DecodeParams()
         self.decode_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.decode_params))
         self.configured_devices: set[int] = set()
-        self.residency: dict[tuple[str, int], int] = {}  # (kernel, device) -> CTAs resident at once
         self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
         self.direct_launch = driver_launch()
@@ -246,26 +245,6 @@ class Kernels:
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
-
-    def resident_ctas(self, name: str, device_index: int, threads: int) -> int:
-        """How many CTAs of ``name`` (``threads`` threads, no dynamic shared memory) the device
-        holds at once: its SMs times the driver's occupancy, asked once per kernel and device
-        (hold :attr:`lock`, with the device's context bound)."""
-        key = (name, device_index)
-        if key not in self.residency:
-            driver = self.driver
-            function = check(driver.cuKernelGetFunction(self.kernels[name]), "cuKernelGetFunction")
-            per_sm = check(
-                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0),
-                f"the occupancy of {name}",
-            )
-            device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
-            sms = check(
-                driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
-                "the SM count",
-            )
-            self.residency[key] = max(1, int(per_sm) * int(sms))
-        return self.residency[key]
 
     def launch(
         self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, decode: bool = False
