@@ -144,6 +144,9 @@ fi
 if [[ $step == all || $step == *variants* ]]; then
   timeout 200 python3 benchmarks/variants.py > "$OUT/variants.log" 2>&1; cat "$OUT/variants.log"
 fi
+if [[ $step == *chain* ]]; then  # the split's boundary chain alone: steps against blocks (benchmarks/chain_time.py)
+  timeout ${CHAIN_TIMEOUT:-120} python3 benchmarks/chain_time.py ${CHAIN_SEGMENTS:-} > "$OUT/chain-time.log" 2>&1; cat "$OUT/chain-time.log" | tail -8
+fi
 if [[ $step == *long* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
 fi

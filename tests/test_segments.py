@@ -14,10 +14,19 @@ BACKENDS = ("torch", AUTO)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", [dict(B=2, T=100), dict(seq_lens=[70, 0, 5, 40, 33])], ids=["batched", "varlen"])
 @pytest.mark.parametrize("layout", [False, True])
-def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout):
+@pytest.mark.parametrize("chain", ["steps", "blocks"])
+def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain):
     """32-token segments (two chunks): sequences over several segments, one shorter than a
     segment, an empty one, a partial last chunk; mild decays so that each segment's entering
-    state matters; an initial state and the final state."""
+    state matters; an initial state and the final state. The boundary chain one segment a step,
+    or in blocks (of 2 for the 3 and 4 segments here)."""
+    from kda import segments
+
+    if chain == "blocks":  # blocks of 2 (the default on a GPU past CHAIN_STEPS_UP_TO segments a sequence)
+        blocked = segments.chain_boundaries
+        monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: blocked(P, R, S0, counts, block=2))
+    stepped, steps = [], segments.chain_steps  # the counts each chain of steps walked
+    monkeypatch.setattr(segments, "chain_steps", lambda P, R, S0, n: stepped.append(n) or steps(P, R, S0, n))
     case = make_case(**shape, H=1, HV=2, K=16, V=8, gate="precomputed", state_v_first=layout, device=DEVICE, seed=81)
     case.g = case.g * 0.02
     kw = case.kwargs()
@@ -27,6 +36,8 @@ def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout):
         got = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
     assert "segments:32" in events, events
     assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5, (rel(got[0], want[0]), rel(got[1], want[1]))
+    segs = [4, 4] if "T" in shape else [3, 0, 1, 2, 2]  # 100 tokens: 32, 32, 32, 4
+    assert stepped == [[-(-n // 2) for n in segs] if chain == "blocks" else segs], stepped
 
 
 @pytest.mark.parametrize("what", ["bf16 h0 and final state", "float64"])
@@ -55,19 +66,22 @@ def test_split_keeps_full_precision_between_segments(monkeypatch, what):
     assert moved[0] <= tol and moved[1] <= (tol if what == "float64" else 4e-3), moved
 
 
-def test_chain_boundaries_step_all_sequences_together():
+@pytest.mark.parametrize("block", [None, 1, 2, 3, 5, 13])
+def test_chain_boundaries_step_all_sequences_together(block):
     """``segments.chain_boundaries`` (one batched product a step, sequences sorted by segment
-    count) against a plain loop sequence by sequence, with an empty sequence among them."""
+    count; in blocks, the maps composed within each block first: ``block``, None for the
+    default, one step a segment on the CPU) against a plain loop sequence by sequence, with an
+    empty sequence among them."""
     import torch
 
     from kda import segments
 
-    counts = [3, 0, 1, 5, 2]
+    counts = [3, 0, 1, 12, 5, 2]
     gen = torch.Generator().manual_seed(88)
     P = torch.randn(sum(counts), 2, 4, 4, generator=gen, dtype=torch.float64) * 0.5
     R = torch.randn(sum(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
     S0 = torch.randn(len(counts), 2, 4, 3, generator=gen, dtype=torch.float64)
-    starts, finals = segments.chain_boundaries(P, R, S0, counts)
+    starts, finals = segments.chain_boundaries(P, R, S0, counts, block)
     j = 0
     for n, count in enumerate(counts):
         S = S0[n]

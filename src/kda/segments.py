@@ -23,6 +23,7 @@ records ``segments:<L>``.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import torch
@@ -57,6 +58,9 @@ AUTO_SMS_PER_PAIR = 16
 # ... counting as long the sequences of at least this many segments (and only those matter:
 # shorter ones are done before the long chains are).
 AUTO_MIN_SEGMENTS = 8
+# The boundary chain steps one segment at a time up to this many segments a sequence, and in
+# blocks beyond (chain_boundaries).
+CHAIN_STEPS_UP_TO = 8
 
 
 def segment_tokens() -> int | None:
@@ -136,12 +140,57 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     return o, (from_kv(finals).to(final_dtype) if want_final else None)
 
 
-def chain_boundaries(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The state entering every segment and each sequence's final state: ``S_{j+1} = P_j S_j +
     R_j`` from ``S0[n]`` over sequence n's ``counts[n]`` segments (P ``[segs, HV, K, K]``, R
-    ``[segs, HV, K, V]``, sequence by sequence), in float64: the products are few (one a
-    segment), and float64 keeps them exact to the transitions' own rounding whatever torch's
-    float32 matmul precision is set to (TF32 would put 1e-3 into every boundary state).
+    ``[segs, HV, K, V]``, sequence by sequence), in float64: float64 keeps them exact to the
+    transitions' own rounding whatever torch's float32 matmul precision is set to (TF32 would put
+    1e-3 into every boundary state).
+
+    In blocks of ``block`` segments (default: on a GPU, about the square root of the longest
+    count past CHAIN_STEPS_UP_TO segments; 1, and on the CPU, where the steps are the arithmetic:
+    one step a segment, :func:`chain_steps`): the maps composed within every block, all blocks
+    together (``block - 1`` steps); the boundary states of the blocks (:func:`chain_steps` over
+    the blocks' composed maps); then every segment's entering state from its block's, one
+    batched product. About ``2 sqrt(n)`` steps for n segments in place of n: a step is a few
+    torch calls, about 40 us of host time each on the H200's host, beside which the float64
+    products are small (one a segment took 4.93 ms for 128 segments x 8 heads, the same in
+    float32; benchmarks/NOTES.md, run 60)."""
+    most = max(counts, default=0)
+    b = block or (math.isqrt(most - 1) + 1 if most > CHAIN_STEPS_UP_TO and S0.is_cuda else 1)  # ceil(sqrt(most))
+    if b <= 1:
+        return chain_steps(P, R, S0, counts)
+    HV, K, V = R.shape[1:]
+    device = S0.device
+    # Each sequence padded to whole blocks by identity maps (P = I, R = 0); block position i of
+    # block m at [i, m], so that one position of every block is one contiguous batch.
+    blocks = [-(-c // b) for c in counts]
+    nblocks = sum(blocks)
+    # padded slot (i, m) of each real segment, sequence by sequence
+    slot = []
+    m0 = 0
+    for c, nb in zip(counts, blocks):
+        slot += [(j % b) * nblocks + m0 + j // b for j in range(c)]
+        m0 += nb
+    slot_t = torch.tensor(slot, dtype=torch.int64).to(device)
+    maps = torch.zeros(b * nblocks, HV, K, K + V, dtype=torch.float64, device=device)
+    maps[..., :K] = torch.eye(K, dtype=torch.float64, device=device)
+    maps[slot_t, ..., :K] = P.double()
+    maps[slot_t, ..., K:] = R.double()
+    maps = maps.view(b, nblocks, HV, K, K + V)
+    for i in range(1, b):  # maps[i] = maps[i] o maps[i - 1]: (P_i P', P_i R' + R_i)
+        composed = torch.matmul(maps[i, ..., :K], maps[i - 1])
+        composed[..., K:] += maps[i, ..., K:]
+        maps[i] = composed
+    block_starts, finals = chain_steps(maps[b - 1, ..., :K], maps[b - 1, ..., K:], S0, blocks)
+    starts = torch.empty(b, nblocks, HV, K, V, dtype=torch.float64, device=device)
+    starts[0] = block_starts  # position i >= 1 enters with the block's first i segments applied:
+    starts[1:] = torch.matmul(maps[: b - 1, ..., :K], block_starts) + maps[: b - 1, ..., K:]
+    return starts.view(b * nblocks, HV, K, V)[slot_t], finals
+
+
+def chain_steps(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chain_boundaries` one step a segment (float64).
 
     All sequences step together, one batched product a step: the sequences sorted by segment
     count, longest first, so that those still going at step j are a prefix (a batch of many
