@@ -92,6 +92,36 @@ def test_chain_boundaries_step_all_sequences_together(block):
         assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
 
 
+def test_outputs_from_entering_states_in_one_kernel():
+    """kda.triton.segments.add_entering_states (the split's last step on a GPU for 16-bit outputs;
+    here the interpreter) against segments.entering_outputs' float64 products: segments of 5, 130
+    (two blocks of 128 tokens), 1 and 64 tokens, K = 16 and V = 8 (padded to 16 in the kernel), bf16
+    o; every element of a NaN-filled output written."""
+    import itertools
+
+    import torch
+
+    from kda import segments
+    from kda.triton.segments import add_entering_states, block_table
+
+    lengths, HV, K, V = [5, 130, 1, 64], 2, 16, 8
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)])
+    assert block_table(offsets).tolist() == [[0, 0, 5], [1, 5, 133], [1, 133, 135], [2, 135, 136], [3, 136, 200]]
+    gen = torch.Generator().manual_seed(89)
+    T = sum(lengths)
+    o_zero = torch.randn(1, T, HV, V, generator=gen).bfloat16()
+    o_P = torch.randn(1, T, HV, K, generator=gen).bfloat16()
+    starts = torch.randn(len(lengths), HV, K, V, generator=gen, dtype=torch.float64)
+    want = segments.entering_outputs(o_zero, o_P, starts, offsets)  # (CPU tensors: the float64 products)
+    got = add_entering_states(o_zero, o_P, starts, offsets, out=torch.full_like(o_zero, float("nan")))
+    assert not got.isnan().any(), "an output element was not written"
+    # nearly the same sum rounded to bf16 (S to 16 bits in the kernel, so a sum that cancels can
+    # move by more than its own last bit; and the interpreter truncates to bf16): at most a bf16
+    # step of the largest value apart, and by a bf16 step or less in RMS
+    assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+    assert 0 < rel(got, want) <= 2**-7, rel(got, want)
+
+
 def test_training_calls_and_short_sequences_are_not_split(monkeypatch):
     monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
     case = make_case(T=32, H=1, K=16, V=8, seed=82)

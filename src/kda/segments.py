@@ -4,16 +4,18 @@ A call with few (sequence, head) chains leaves most SMs idle while each chain wa
 sequence chunk by chunk. Cut every sequence longer than L tokens into segments of L and:
 
 1. every segment's affine transition ``(P, R)`` from the chunk kernels
-   (``transitions.affine_transitions``), all segments at once as one packed batch;
-2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a short loop of small
-   float32 products);
-3. every segment from its true initial state, again as one packed batch.
+   (``transitions.affine_transitions``), all segments at once as one packed batch, and the
+   outputs of those runs: the output from a zero state and the output's response to the state;
+2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a short chain of float64
+   products, in blocks on a GPU: :func:`chain_boundaries`);
+3. every segment's output from its true entering state, ``o_zero + o_P S`` token by token
+   (:func:`entering_outputs`).
 
-The chains multiply by the segments per sequence; the price is about three times the
-arithmetic (the transitions' runs), so it pays only where the uncut call leaves most SMs
-idle. ``KDA_SEGMENT_TOKENS`` sets it: unset, automatic (:func:`auto_span`: calls the CUDA
-path runs whose long sequences have too few chains for the SMs); 0, off; a positive multiple
-of 16, split sequences longer than that on any backend. Inference calls only (a call that
+The chains multiply by the segments per sequence; the price is about twice the arithmetic
+(the transitions' runs), so it pays only where the uncut call leaves most SMs idle.
+``KDA_SEGMENT_TOKENS`` sets it: unset, automatic (:func:`auto_span`: calls the CUDA path runs
+whose long sequences have too few chains for the SMs); 0, off; a positive multiple of 16,
+split sequences longer than that on any backend. Inference calls only (a call that
 requires grad is never split), and only calls whose lengths are on the host (a varlen call
 left unchecked, ``validation.CHECK_CU_SEQLENS``, is not split). The dispatch log says when a
 call is split and why (``chunk_kda: split ... into segments``) and ``record_dispatch``
@@ -125,19 +127,38 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     note(f"segments:{span}")
     kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
 
-    P, R = affine_transitions(chunk_kda, *flat, kw, segs)
+    P, R, o_zero, o_P = affine_transitions(chunk_kda, *flat, kw, segs, outputs=True)
     S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
-    if h0 is not None:
+    if h0 is not None:  # (read as is: a bf16 h0 is not rounded further)
         S0 = as_kv(h0).double()
     starts, finals = chain_boundaries(P, R, S0, [len(ps) for ps in pieces])
-    o = torch.zeros(1, 0, HV, V, dtype=q.dtype, device=q.device)
-    if segs:
-        # the entering states in the full-precision state dtype, whatever h0's (a bf16 h0 is
-        # read as is; rounding each segment's start to bf16 would add 4e-4 to o)
-        start = from_kv(starts.to(full))
-        o, _ = chunk_kda(*flat, initial_state=start, output_final_state=False, **kw)
-    o = o.reshape(B, T, HV, V)
+    o = entering_outputs(o_zero, o_P, starts, offsets).reshape(B, T, HV, V)
     return o, (from_kv(finals).to(final_dtype) if want_final else None)
+
+
+def entering_outputs(o_zero, o_P, starts, offsets) -> torch.Tensor:
+    """Every segment's output from its entering state, ``o_zero + o_P S`` token by token (S =
+    ``starts[j]`` for the tokens of segment j at ``offsets``, on the host; o_zero and o_P from
+    ``affine_transitions(outputs=True)``), rounded once to o_zero's dtype. This stands for a
+    third pass of the chunk kernels over all tokens from the entering states (the split's form
+    until 2026-12-03): the two runs of the transitions already hold what it computes. The price
+    is o_zero and o_P each rounded to o's dtype before the sum: on bf16 inputs (the torch
+    backend, K = V = 128, benchmarks/split_two_pass_accuracy.py) o moved from 1.66e-3 to 1.68e-3
+    against float64 at 16384-token segments, 1.78e-3 at 1024, 2.14e-3 at 512.
+
+    16-bit outputs on a GPU: one Triton kernel (kda.triton.segments); otherwise a float64 product
+    a segment."""
+    if o_zero.is_cuda and o_zero.dtype in (torch.bfloat16, torch.float16):
+        from kda.triton.segments import add_entering_states
+
+        return add_entering_states(o_zero, o_P, starts, offsets)
+    out = torch.empty_like(o_zero)
+    bounds = offsets.tolist()
+    for j in range(len(bounds) - 1):
+        a, b = bounds[j], bounds[j + 1]
+        moved = torch.einsum("thk,hkv->thv", o_P[0, a:b].double(), starts[j])
+        out[0, a:b] = (o_zero[0, a:b].double() + moved).to(out.dtype)
+    return out
 
 
 def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,10 +27,15 @@ def kv_layout(v_first: bool):
     return as_kv, from_kv
 
 
-def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: bool = False) -> tuple:
     """``(P [N, HV, K, K], R [N, HV, K, V])`` in the full-precision state dtype (float32, or
     float64 for float64 inputs) of each of the N sequences of the call
-    ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state)."""
+    ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state).
+
+    ``outputs``: also the runs' outputs, ``(P, R, o_zero [.., T, HV, V], o_P [.., T, HV, K])``: the
+    call's output from zero states, and ``o_P`` with ``o_zero + o_P S`` the output from states S
+    (row t of a sequence: ``scale Phi_t^T q_t``, Phi_t its transition up to token t, which is
+    what the runs from the identity's columns with v = 0 output), both in the inputs' dtype."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
     dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
@@ -38,15 +43,22 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int) -> tuple[t
     # round every transition to 8 bits)
     kw = dict(kw, final_state_dtype=None)
     zeros = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
-    # ([1]: the outputs of these runs are not kept, so one is alive at a time)
-    R = as_kv(chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)[1])
+    # (without ``outputs`` the runs' outputs are dropped at once, so one is alive at a time)
+    o_zero, R = chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)
+    R = as_kv(R)
+    if not outputs:
+        o_zero = None
     P = torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
+    o_P = torch.empty(*v.shape[:-1], K, dtype=v.dtype, device=q.device) if outputs else None
     eye = torch.eye(K, dtype=dtype, device=q.device)
     v0 = torch.zeros_like(v)
     for c0 in range(0, K, V):
         cols = min(V, K - c0)
         start = zeros.clone()
         start[..., :cols] = eye[:, c0 : c0 + cols]
-        out = chunk_kda(q, k, v0, g, beta, initial_state=from_kv(start), output_final_state=True, **kw)[1]
+        o, out = chunk_kda(q, k, v0, g, beta, initial_state=from_kv(start), output_final_state=True, **kw)
         P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
-    return P, R
+        if outputs:
+            o_P[..., c0 : c0 + cols] = o[..., :cols]
+        del o
+    return (P, R, o_zero, o_P) if outputs else (P, R)

@@ -1,0 +1,82 @@
+"""The segment split's outputs from the segments' entering states (kda.segments, spec section 8):
+``o = o_zero + o_P S`` token by token, S the entering state of the token's segment, o_zero the
+output from zero states and o_P its response to the state (transitions.affine_transitions), in
+one kernel on a GPU, rounded once to o's dtype.
+
+S (float64) goes in as two bf16 parts, ``S = S_hi + S_lo`` to 16 bits, each a bf16 product with
+float32 accumulation on the tensor cores: o_P is bf16 itself, so both products are exact to the
+accumulation, and each term is S's to a relative 2^-17, far below o's own rounding (2^-9) but
+for the rare sum that cancels to a small fraction of its terms."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda.triton.common import interpreting
+
+ROWS = 128  # tokens of one segment a program
+
+
+@triton.jit
+def add_entering_states_kernel(
+    o_zero, o_P, s_hi, s_lo, out, table,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    seg = tl.load(table + 3 * i)  # (segment, first token, end token), int64
+    t0 = tl.load(table + 3 * i + 1)
+    t1 = tl.load(table + 3 * i + 2)
+    rows = t0 + tl.arange(0, BT).to(tl.int64)
+    row_ok = rows < t1
+    ks = tl.arange(0, KP)
+    vs = tl.arange(0, VP)
+    a = tl.load(o_P + (rows[:, None] * HV + h) * K + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+    s_at = ((seg * HV + h) * K + ks[:, None]) * V + vs[None, :]
+    s_ok = (ks[:, None] < K) & (vs[None, :] < V)
+    hi = tl.load(s_hi + s_at, mask=s_ok, other=0.0)
+    lo = tl.load(s_lo + s_at, mask=s_ok, other=0.0)
+    if INTERPRET:  # (the interpreter's bf16 dot is wrong, seen with Triton 3.9.0 and NumPy 2.4: float32 there)
+        a, hi, lo = a.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
+        acc = tl.dot(a, hi, input_precision="ieee") + tl.dot(a, lo, input_precision="ieee")
+    else:
+        acc = tl.dot(a, hi) + tl.dot(a, lo)
+    o_at = (rows[:, None] * HV + h) * V + vs[None, :]
+    o_ok = row_ok[:, None] & (vs[None, :] < V)
+    acc += tl.load(o_zero + o_at, mask=o_ok, other=0.0).to(tl.float32)
+    tl.store(out + o_at, acc.to(out.dtype.element_ty), mask=o_ok)
+
+
+def block_table(offsets: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """``[blocks, 3]`` int64 on the host: (segment, first token, end token) of every run of at
+    most ``rows`` tokens of one segment, for segments at ``offsets`` ([segs + 1], on the host)."""
+    lengths = offsets[1:] - offsets[:-1]
+    blocks = (lengths + rows - 1) // rows
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), blocks)
+    first_block = torch.cumsum(blocks, 0) - blocks
+    start = offsets[:-1][seg] + (torch.arange(seg.numel()) - first_block[seg]) * rows
+    return torch.stack([seg, start, torch.minimum(start + rows, offsets[1:][seg])], 1)
+
+
+def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``o_zero + o_P S`` ([1, T, HV, V] in o_zero's dtype; into ``out`` where given) with S =
+    ``starts[j]`` ([segs, HV, K, V], float64, K-first) for the tokens of segment j (``offsets``
+    [segs + 1], on the host, covering the T tokens)."""
+    _, T, HV, V = o_zero.shape
+    K = o_P.shape[-1]
+    out = torch.empty_like(o_zero) if out is None else out
+    table = block_table(offsets).to(o_zero.device)
+    if table.shape[0] == 0:
+        return out
+    s_hi = starts.to(torch.bfloat16)
+    s_lo = (starts - s_hi.double()).to(torch.bfloat16)
+    # (tl.dot wants sides of 16 or more)
+    KP, VP = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    add_entering_states_kernel[(table.shape[0], HV)](
+        o_zero, o_P.contiguous(), s_hi, s_lo, out, table, HV=HV, K=K, V=V, KP=KP, VP=VP, BT=ROWS,
+        INTERPRET=interpreting(), num_warps=8,
+    )  # fmt: skip
+    return out
