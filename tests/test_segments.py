@@ -94,9 +94,10 @@ def test_chain_boundaries_step_all_sequences_together(block):
 
 def test_outputs_from_entering_states_in_one_kernel():
     """kda.triton.segments.add_entering_states (the split's last step on a GPU for 16-bit outputs;
-    here the interpreter) against segments.entering_outputs' float64 products: segments of 5, 130
+    the interpreter on CPU) against segments.entering_outputs' float64 products: segments of 5, 130
     (two blocks of 128 tokens), 1 and 64 tokens, K = 16 and V = 8 (padded to 16 in the kernel), bf16
-    o; every element of a NaN-filled output written."""
+    o, the states with [V, K] strides (as the chain leaves states of the V-first layout); every
+    element of a NaN-filled output written."""
     import itertools
 
     import torch
@@ -111,9 +112,10 @@ def test_outputs_from_entering_states_in_one_kernel():
     T = sum(lengths)
     o_zero = torch.randn(1, T, HV, V, generator=gen).bfloat16()
     o_P = torch.randn(1, T, HV, K, generator=gen).bfloat16()
-    starts = torch.randn(len(lengths), HV, K, V, generator=gen, dtype=torch.float64)
+    starts = torch.randn(len(lengths), HV, V, K, generator=gen, dtype=torch.float64).transpose(-1, -2)
     want = segments.entering_outputs(o_zero, o_P, starts, offsets)  # (CPU tensors: the float64 products)
-    got = add_entering_states(o_zero, o_P, starts, offsets, out=torch.full_like(o_zero, float("nan")))
+    on = [x.to(DEVICE) for x in (o_zero, o_P, starts)]
+    got = add_entering_states(*on, offsets, out=torch.full_like(on[0], float("nan"))).cpu()
     assert not got.isnan().any(), "an output element was not written"
     # nearly the same sum rounded to bf16 (S to 16 bits in the kernel, so a sum that cancels can
     # move by more than its own last bit; and the interpreter truncates to bf16): at most a bf16
@@ -237,3 +239,30 @@ def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     graph.replay()
     assert not any(e.startswith("segments") for e in events), events
     assert rel(captured[0], want[0]) <= 1e-2, rel(captured[0], want[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize("span", [512, 1024])
+def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span):
+    """bf16 inputs on the CUDA path split into 10 segments (the chain in blocks) or 5 (one step a
+    segment), states in either layout: the uncut call's results. (The V-first states once reached
+    the outputs' kernel with [V, K] strides read as [K, V]: o 0.13 off at 8 segments, run 66.)"""
+    import torch
+
+    from helpers import cuda_ready
+
+    if cuda_ready.args[0]:
+        pytest.skip(cuda_ready.kwargs["reason"])
+    case = make_case(T=4608 + 80, H=2, K=128, V=128, dtype=torch.bfloat16, state_v_first=layout, device="cuda",
+                     seed=90)  # fmt: skip
+    case.g = case.g - 6.0  # long memory: a segment's entering state carries through it
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "0")
+    want = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", str(span))
+    with kda.record_dispatch() as events:
+        got = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert f"segments:{span}" in events and any(e.startswith("cuda:") for e in events), events
+    # two bf16-input computations of the same function: each about 3e-3 from fp64
+    moved = (rel(got[0], want[0]), rel(got[1], want[1]))
+    assert max(moved) <= 1e-2, moved

@@ -67,16 +67,20 @@ def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None =
     [segs + 1], on the host, covering the T tokens)."""
     _, T, HV, V = o_zero.shape
     K = o_P.shape[-1]
-    out = torch.empty_like(o_zero) if out is None else out
+    out = torch.empty(o_zero.shape, dtype=o_zero.dtype, device=o_zero.device) if out is None else out
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
     table = block_table(offsets).to(o_zero.device)
     if table.shape[0] == 0:
         return out
-    s_hi = starts.to(torch.bfloat16)
-    s_lo = (starts - s_hi.double()).to(torch.bfloat16)
+    # (contiguous: the kernel indexes them so; the chain's states keep the caller's layout's
+    # strides, which read as if contiguous put the wrong values in o, the H200 in run 66)
+    s_hi = starts.to(torch.bfloat16).contiguous()
+    s_lo = (starts - s_hi.double()).to(torch.bfloat16).contiguous()
     # (tl.dot wants sides of 16 or more)
     KP, VP = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     add_entering_states_kernel[(table.shape[0], HV)](
-        o_zero, o_P.contiguous(), s_hi, s_lo, out, table, HV=HV, K=K, V=V, KP=KP, VP=VP, BT=ROWS,
+        o_zero.contiguous(), o_P.contiguous(), s_hi, s_lo, out, table, HV=HV, K=K, V=V, KP=KP, VP=VP, BT=ROWS,
         INTERPRET=interpreting(), num_warps=8,
     )  # fmt: skip
     return out
