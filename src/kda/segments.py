@@ -50,9 +50,12 @@ AUTO_SEGMENT_TOKENS = 16384
 # benchmarks/results/h200-2026-12-03-long-run59.md, ms at 4096 / 8192 / 16384 / 65536, uncut,
 # fla) had 131072 H8 6.314 / 5.283 / 5.641 / 11.469, 5.947, 5.742; 524288 H8 26.805 / 21.074 /
 # 18.648 / 19.423, 23.727, 22.699; 2097152 H8 87.935 / 78.186 / 68.130 / 73.624, 94.852,
-# 90.539. So the lengths start at 16384 (at 131072 tokens 8192 was faster still; a rule that
-# picks it there would pick it at 524288 too).
-AUTO_SPANS = (16384, 32768, 65536)
+# 90.539. So the lengths started at 16384. With the chain in blocks and no third chunk pass
+# (run 66, 2026-12-03, benchmarks/results/h200-2026-12-03-long-run66.md, ms at 4096 / 8192 /
+# 16384 / 65536, uncut, fla): 131072 H8 5.241 / 4.796 / 5.126 / 8.524, 5.948, 5.746; 524288 H8
+# 14.580 / 13.642 / 14.356 / 15.773, 23.505, 22.632; 2097152 H8 55.842 / 52.242 / 51.749 /
+# 55.697, 93.967, 90.211: 8192 first (the rule then takes 16384 at 2M tokens, the fastest there).
+AUTO_SPANS = (8192, 16384, 32768, 65536)
 AUTO_CHAINS_PER_SM = 8
 # Split when the long sequences' (sequence, value head) pairs are at most one per this many
 # SMs (8 on 132 SMs: H8 split, H16 not) ...
