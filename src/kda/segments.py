@@ -96,7 +96,7 @@ def long_chains(lengths: list[int], value_heads: int) -> int:
 def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
     """The automatic segment length for sequences of ``lengths`` tokens with ``value_heads``
     heads on ``sms`` SMs where the long sequences' chains are few enough that the split's
-    parallelism pays for its threefold arithmetic (the shortest of AUTO_SPANS that gives
+    parallelism pays for its twofold arithmetic (the shortest of AUTO_SPANS that gives
     them at most AUTO_CHAINS_PER_SM segment chains an SM), else 0 (no split)."""
     longs = [n for n in lengths if n >= long_tokens()]
     chains = value_heads * len(longs)  # (long_chains)
@@ -149,12 +149,13 @@ def entering_outputs(o_zero, o_P, starts, offsets) -> torch.Tensor:
     backend, K = V = 128, benchmarks/split_two_pass_accuracy.py) o moved from 1.66e-3 to 1.68e-3
     against float64 at 16384-token segments, 1.78e-3 at 1024, 2.14e-3 at 512.
 
-    16-bit outputs on a GPU: one Triton kernel (kda.triton.segments); otherwise a float64 product
-    a segment."""
-    if o_zero.is_cuda and o_zero.dtype in (torch.bfloat16, torch.float16):
-        from kda.triton.segments import add_entering_states
+    bf16 outputs on a GPU with K and V up to 128: one Triton kernel (kda.triton.segments, whose
+    tiles of larger heads would not fit in shared memory); otherwise a float64 product a segment."""
+    if o_zero.is_cuda and o_zero.dtype == torch.bfloat16:
+        from kda.triton.segments import MAX_SIDE, add_entering_states
 
-        return add_entering_states(o_zero, o_P, starts, offsets)
+        if max(o_zero.shape[-1], o_P.shape[-1]) <= MAX_SIDE:
+            return add_entering_states(o_zero, o_P, starts, offsets)
     out = torch.empty_like(o_zero)
     bounds = offsets.tolist()
     for j in range(len(bounds) - 1):
@@ -184,6 +185,29 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
     b = block or (math.isqrt(most - 1) + 1 if most > CHAIN_STEPS_UP_TO and S0.is_cuda else 1)  # ceil(sqrt(most))
     if b <= 1:
         return chain_steps(P, R, S0, counts)
+    # Sequences of b segments or fewer step one segment at a time: padded to a block of b, many
+    # short sequences beside a long one would multiply the maps held (and composed) by b.
+    longs = [n for n, c in enumerate(counts) if c > b]
+    if len(longs) == len(counts):
+        return chain_blocks(P, R, S0, counts, b)
+    shorts = [n for n, c in enumerate(counts) if c <= b]
+    first = list(itertools.accumulate(counts, initial=0))
+    rows = {
+        part: torch.tensor([j for n in part for j in range(first[n], first[n + 1])], dtype=torch.int64)
+        for part in (tuple(longs), tuple(shorts))
+    }
+    starts = torch.empty(P.shape[0], *R.shape[1:], dtype=torch.float64, device=S0.device)
+    finals = torch.empty(S0.shape, dtype=torch.float64, device=S0.device)
+    for part, chain in ((tuple(longs), lambda *a: chain_blocks(*a, b)), (tuple(shorts), chain_steps)):
+        if not part:
+            continue
+        at, seqs = rows[part].to(S0.device), torch.tensor(part, dtype=torch.int64).to(S0.device)
+        starts[at], finals[seqs] = chain(P[at], R[at], S0[seqs], [counts[n] for n in part])
+    return starts, finals
+
+
+def chain_blocks(P, R, S0, counts: list[int], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chain_boundaries` in blocks of ``b`` segments (float64)."""
     HV, K, V = R.shape[1:]
     device = S0.device
     # Each sequence padded to whole blocks by identity maps (P = I, R = 0); block position i of

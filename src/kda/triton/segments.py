@@ -17,6 +17,7 @@ import triton.language as tl
 from kda.triton.common import interpreting
 
 ROWS = 128  # tokens of one segment a program
+MAX_SIDE = 128  # K and V: at 256 a program's tiles ask for 192-320 KB of shared memory (sm_90 holds 227)
 
 
 @triton.jit
@@ -62,11 +63,16 @@ def block_table(offsets: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
 
 
 def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``o_zero + o_P S`` ([1, T, HV, V] in o_zero's dtype; into ``out`` where given) with S =
-    ``starts[j]`` ([segs, HV, K, V], float64, K-first) for the tokens of segment j (``offsets``
-    [segs + 1], on the host, covering the T tokens)."""
+    """``o_zero + o_P S`` ([1, T, HV, V] in o_zero's dtype, bf16; into ``out`` where given) with
+    S = ``starts[j]`` ([segs, HV, K, V], float64, K-first) for the tokens of segment j
+    (``offsets`` [segs + 1], on the host, covering the T tokens); K and V up to MAX_SIDE (a
+    program's tiles, 96 KB of shared memory at 128, compiled for sm_90)."""
     _, T, HV, V = o_zero.shape
     K = o_P.shape[-1]
+    if o_zero.dtype != torch.bfloat16 or o_P.dtype != torch.bfloat16:
+        raise TypeError(f"o_zero and o_P must be bfloat16 (the products' operands), got {o_zero.dtype}, {o_P.dtype}")
+    if max(K, V) > MAX_SIDE:
+        raise ValueError(f"K and V must be at most {MAX_SIDE} (the tiles in shared memory), got K={K}, V={V}")
     out = torch.empty(o_zero.shape, dtype=o_zero.dtype, device=o_zero.device) if out is None else out
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
