@@ -192,17 +192,13 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
         return chain_blocks(P, R, S0, counts, b)
     shorts = [n for n, c in enumerate(counts) if c <= b]
     first = list(itertools.accumulate(counts, initial=0))
-    rows = {
-        part: torch.tensor([j for n in part for j in range(first[n], first[n + 1])], dtype=torch.int64)
-        for part in (tuple(longs), tuple(shorts))
-    }
     starts = torch.empty(P.shape[0], *R.shape[1:], dtype=torch.float64, device=S0.device)
     finals = torch.empty(S0.shape, dtype=torch.float64, device=S0.device)
-    for part, chain in ((tuple(longs), lambda *a: chain_blocks(*a, b)), (tuple(shorts), chain_steps)):
-        if not part:
-            continue
-        at, seqs = rows[part].to(S0.device), torch.tensor(part, dtype=torch.int64).to(S0.device)
-        starts[at], finals[seqs] = chain(P[at], R[at], S0[seqs], [counts[n] for n in part])
+    for part, chain in ((longs, lambda *a: chain_blocks(*a, b)), (shorts, chain_steps)):
+        if part:
+            at = torch.tensor([j for n in part for j in range(first[n], first[n + 1])], dtype=torch.int64)
+            at, seqs = at.to(S0.device), torch.tensor(part, dtype=torch.int64).to(S0.device)
+            starts[at], finals[seqs] = chain(P[at], R[at], S0[seqs], [counts[n] for n in part])
     return starts, finals
 
 
