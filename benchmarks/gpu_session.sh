@@ -144,9 +144,6 @@ fi
 if [[ $step == all || $step == *variants* ]]; then
   timeout 200 python3 benchmarks/variants.py > "$OUT/variants.log" 2>&1; cat "$OUT/variants.log"
 fi
-if [[ $step == *overlap* ]]; then  # K2 beside K1 against the serial launch (benchmarks/overlap_probe.py), OVERLAP_CASES
-  timeout ${OVERLAP_TIMEOUT:-240} python3 benchmarks/overlap_probe.py ${OVERLAP_CASES:-} > "$OUT/overlap-probe.log" 2>&1; cat "$OUT/overlap-probe.log" | tail -60
-fi
 if [[ $step == *chain* ]]; then  # the split's boundary chain alone: steps against blocks (benchmarks/chain_time.py)
   timeout ${CHAIN_TIMEOUT:-120} python3 benchmarks/chain_time.py ${CHAIN_SEGMENTS:-} > "$OUT/chain-time.log" 2>&1; cat "$OUT/chain-time.log" | tail -8
 fi

@@ -43,24 +43,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def switches(monkeypatch):
-    """Set or clear the backend's environment switches and re-read them (they are read at
-    import); the switches of the environment are read back afterwards."""
-
-    def switch(name, value):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-        import kda.cuda
-
-        kda.cuda.read_switches()
-
-    yield switch
-    monkeypatch.undo()
-    import kda.cuda
-
-    kda.cuda.read_switches()

@@ -152,70 +152,9 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     assert (prm.num_chunks, prm.num_seqs, prm.heads, prm.flags) == (tables.num_chunks, 2, 2, expected_flags)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, p.lower_bound, 2.0 if p.allow_neg_eigval else 1.0)
     assert prm.workspace == forward._workspaces[-1, 0x5000].data_ptr()  # kept for the stream
-    assert prm.ready == 0  # K2 after K1: no ready flags
-    assert prepare_args[1:3] == (tables.num_chunks * 2, 1) and prepare_args[8] == 0x5000  # a CTA an item
+    assert prepare_args[1:3] == (tables.num_chunks, 2) and prepare_args[8] == 0x5000
     assert recurrence_args[8] == 0x5000
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
-
-
-def test_overlap_choice_follows_the_switches(switches):
-    from kda.cuda.forward import OVERLAP_PREPARE_CTAS_PER_SM, overlap_prepare_ctas
-
-    switches("KDA_CUDA_OVERLAP", "1")
-    assert overlap_prepare_ctas(items=10**6, pairs=8, sms=132, capturing=False) == OVERLAP_PREPARE_CTAS_PER_SM * 132
-    assert overlap_prepare_ctas(items=50, pairs=8, sms=132, capturing=False) == 50  # never more CTAs than items
-    assert overlap_prepare_ctas(items=10**6, pairs=8, sms=132, capturing=True) == 0  # a capture runs K1, then K2
-    assert overlap_prepare_ctas(items=0, pairs=8, sms=132, capturing=False) == 0
-    switches("KDA_CUDA_OVERLAP_CTAS", "3")
-    assert overlap_prepare_ctas(items=10**6, pairs=8, sms=132, capturing=False) == 3 * 132
-    switches("KDA_CUDA_OVERLAP", "0")
-    assert overlap_prepare_ctas(items=10**6, pairs=8, sms=132, capturing=False) == 0
-    for name, value in (("KDA_CUDA_OVERLAP", "yes"), ("KDA_CUDA_OVERLAP_CTAS", "0"), ("KDA_CUDA_OVERLAP_CTAS", "x")):
-        switches("KDA_CUDA_OVERLAP", "1")
-        switches("KDA_CUDA_OVERLAP_CTAS", None)
-        switches(name, value)
-        with pytest.raises(ValueError, match=name + " must be"):
-            overlap_prepare_ctas(items=10**6, pairs=8, sms=132, capturing=False)
-
-
-def test_overlapped_launch_gives_k1_a_persistent_grid_and_k2_the_launch_attribute(load_kernels, monkeypatch, switches):
-    """KDA_CUDA_OVERLAP=1: K1 on OVERLAP_PREPARE_CTAS_PER_SM CTAs an SM with zeroed ready flags in
-    the Params block, K2 through cuLaunchKernelEx with programmatic stream serialization, on the
-    same stream, with the same block; the dispatch log says so."""
-    switches("KDA_CUDA_OVERLAP", "1")
-    switches("KDA_CUDA_OVERLAP_CTAS", "2")
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
-    monkeypatch.setattr(forward, "sm_count", lambda index: 3)
-    launched = []
-
-    def launch_ex(config, kernel, arguments, extra):
-        launched.append((config, kernel, arguments, extra, bytes(kernels.params)))
-        return (OK,)
-
-    monkeypatch.setattr(driver, "cuLaunchKernelEx", launch_ex)
-    zeroed, new_zeros = [], torch.Tensor.new_zeros  # the ready flags: kept to look at after the call
-    monkeypatch.setattr(torch.Tensor, "new_zeros", lambda t, *a, **k: zeroed.append(new_zeros(t, *a, **k)) or zeroed[0])
-    case = make_case(seq_lens=[70, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
-    with kda.record_dispatch() as events:
-        forward.chunk_forward(p)
-    assert events == ["cuda:prepare", "cuda:recurrence beside prepare"], events
-    ((prepare_args, prm),) = libcuda.calls
-    tables = chunk_tables(p)
-    (ready,) = zeroed
-    assert ready.dtype == torch.int32 and ready.numel() == tables.num_chunks * 2 and not ready.any()
-    assert prm.ready == ready.data_ptr()
-    assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and prepare_args[1:3] == (2 * 3, 1)
-    ((config, kernel, arguments, extra, block),) = launched
-    assert block == bytes(prm) and arguments == ctypes.addressof(kernels.argument_array) and extra == 0
-    name, shared_bytes = loader.RECURRENCE_KERNELS[2]
-    assert kernel is kernels.kernels[name]
-    assert (config.gridDimX, config.gridDimY, config.blockDimX) == (4 * 2 * 2, 1, 32 * 3)  # 2 warps + producer
-    assert config.sharedMemBytes == shared_bytes
-    assert int(config.hStream) == 0x5000 and config.numAttrs == 1
-    (attribute,) = config.attrs
-    assert attribute.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    assert attribute.value.programmaticStreamSerializationAllowed == 1
 
 
 def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, monkeypatch):
@@ -388,7 +327,7 @@ def test_state_grad_chain_fills_the_params_block_as_the_chain_reads_it(load_kern
     state_bits |= 0 if dht is None else flags["has_h0"] | (flags["h0_bfloat16"] if dht_dtype == torch.bfloat16 else 0)
     assert prm.flags == forward.input_flags(p) | state_bits
     name, shared_bytes = loader.CHAIN_KERNELS[training.CHAIN_WARPS]
-    assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and prepare_args[1:3] == (tables.num_chunks * 2, 1)
+    assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and prepare_args[1:3] == (tables.num_chunks, 2)
     assert chain_args[0] == int(kernels.kernels[name])
     assert chain_args[1:9] == (128 // (16 * training.CHAIN_WARPS) * 2 * 2, 1, 1, 32 * (training.CHAIN_WARPS + 1), 1, 1,
                                shared_bytes, 0x5000)  # fmt: skip

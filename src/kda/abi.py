@@ -73,9 +73,6 @@ PARAMS = (
     ("ht", "void*", "ptr"),  # [N, H, 128, 128] fp32 or bf16 (ht_bfloat16)
     ("o", "__nv_bfloat16*", "ptr"),  # [T_total, H, 128]
     ("workspace", "unsigned char*", "ptr"),  # [num_chunks, H, WORKSPACE_BYTES]
-    # [num_chunks, H] zeros, which K1 sets as it finishes each block while K2 runs beside it and
-    # waits on them (kda.cuda.forward, "overlap"); null when K2 starts after K1
-    ("ready", "unsigned*", "ptr"),
     ("seq_offsets", "const int64_t*", "ptr"),  # [N + 1] token offsets
     ("chunk_offsets", "const int64_t*", "ptr"),  # [N + 1] first global chunk of each sequence
     ("chunk_seq", "const int64_t*", "ptr"),  # [num_chunks] sequence of each chunk

@@ -46,23 +46,15 @@ BACKWARD_CHAIN = True
 # After the CUDA reverse chain, the state products on CUDA too (KDA_CUDA_STATE_PRODUCTS=0: the
 # Triton kernels, on K1's workspace): kda.cuda.training.state_products.
 STATE_PRODUCTS = True
-# K2 beside K1 (kda.cuda.forward.overlap_prepare_ctas): KDA_CUDA_OVERLAP=0 never, 1 wherever it
-# can run (not while a CUDA graph is captured), unset: the measured rule. KDA_CUDA_OVERLAP_CTAS:
-# K1's CTAs an SM when overlapping (checked where it is used).
-OVERLAP: str | None = None
-OVERLAP_CTAS: str | None = None
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BACKWARD_CHAIN``,
-    ``KDA_CUDA_STATE_PRODUCTS``, ``KDA_CUDA_OVERLAP`` and ``KDA_CUDA_OVERLAP_CTAS`` from the
-    environment: once, at import, as an environment read costs 0.6-0.7 us (an unset name
-    raises and catches a KeyError inside ``os.environ``) against a host budget of 40 us a call.
-    Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, OVERLAP, OVERLAP_CTAS
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BACKWARD_CHAIN`` and
+    ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment read
+    costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
+    against a host budget of 40 us a call. Call it again after changing any in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
-    OVERLAP = os.environ.get("KDA_CUDA_OVERLAP")
-    OVERLAP_CTAS = os.environ.get("KDA_CUDA_OVERLAP_CTAS")
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"

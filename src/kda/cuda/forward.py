@@ -30,33 +30,6 @@ def recurrence_warps(pairs: int, sms: int) -> int:
     return int(warps)
 
 
-# K1's CTAs an SM when K2 runs beside it, unless KDA_CUDA_OVERLAP_CTAS says otherwise: room for
-# three 2-warp K2 CTAs beside each (registers: 96 x 128 + 3 x 162 x 96 of 65536).
-OVERLAP_PREPARE_CTAS_PER_SM = 1
-
-
-def overlap_prepare_ctas(items: int, pairs: int, sms: int, capturing: bool) -> int:
-    """K1's persistent grid when K2 should run beside it (0: K1 first, then K2), for ``items``
-    (chunk, head) blocks and ``pairs`` (sequence, head) chains on ``sms`` SMs. K2 then starts as
-    soon as every K1 CTA has (programmatic dependent launch) and waits on per-block ready flags;
-    K1 takes its blocks chunk by chunk, the order the chains consume them. Not while a CUDA
-    graph is captured (the launch attribute's graph edge is left out). ``KDA_CUDA_OVERLAP``
-    (0 / 1) and ``KDA_CUDA_OVERLAP_CTAS`` override the choice and the grid."""
-    mode = switches.OVERLAP
-    if capturing or mode == "0" or items == 0:
-        return 0
-    if mode is None:
-        return 0  # the rule: to be measured
-    if mode != "1":
-        raise ValueError(f"KDA_CUDA_OVERLAP must be 0 or 1, got {mode!r}")
-    per_sm = OVERLAP_PREPARE_CTAS_PER_SM
-    if switches.OVERLAP_CTAS is not None:
-        if not switches.OVERLAP_CTAS.isdigit() or not 1 <= int(switches.OVERLAP_CTAS) <= 5:
-            raise ValueError(f"KDA_CUDA_OVERLAP_CTAS must be 1 to 5 (K1's CTAs an SM), got {switches.OVERLAP_CTAS!r}")
-        per_sm = int(switches.OVERLAP_CTAS)
-    return min(items, per_sm * sms)
-
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -160,7 +133,7 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
         workspace = stream_workspace(q, stream, nbytes)
     else:
         workspace = q.new_empty(nbytes, dtype=torch.uint8)
-    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints, capturing)
+    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
     return o, ht
 
 
@@ -174,7 +147,7 @@ def run_stages(
     if p.N * p.H:
         with on_device(device_index):
             tables = chunk_tables(p, capturing)
-        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, capturing=capturing)
+        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare)
     return o, ht
 
 
@@ -230,26 +203,22 @@ def state_flags(p: Problem, h0: torch.Tensor | None, ht: torch.Tensor | None) ->
     return bits
 
 
-def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=None, ready=None) -> tuple:
+def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=None) -> tuple:
     """loader.Params field by field: ``p``'s inputs, with v, the state read and written, the
-    output, the workspace, the checkpoints and K1's ready flags given, and q where given (the
-    training backward's kernels take other tensors for some of them: kda.cuda.training); None
-    is a null pointer."""
+    output, the workspace and the checkpoints given, and q where given (the training backward's
+    kernels take other tensors for some of them: kda.cuda.training); None is a null pointer."""
     return (
         (p.q if q is None else q).data_ptr(), p.k.data_ptr(), v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
         0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
-        0 if o is None else o.data_ptr(), workspace.data_ptr(), 0 if ready is None else ready.data_ptr(),
-        *tables.addresses,
+        0 if o is None else o.data_ptr(), workspace.data_ptr(), *tables.addresses,
         0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_offsets.data_ptr(),
         tables.num_chunks, p.N, p.H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
 
 
-def _launch(
-    p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, capturing=False
-) -> None:
+def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None) -> None:
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
     ``checkpoints`` where given)."""
     N, H, h0 = p.N, p.H, p.initial_state
@@ -257,27 +226,16 @@ def _launch(
     bits = input_flags(p) | state_flags(p, h0, ht)
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
-    sms = sm_count(device_index)
-    warps = recurrence_warps(N * H, sms)
-    items = num_chunks * H
-    beside = overlap_prepare_ctas(items, N * H, sms, capturing) if run_prepare else 0
-    ready = None
-    if beside:
-        with on_device(device_index):  # zeroed on the current stream, before K1
-            ready = p.q.new_zeros(items, dtype=torch.int32)
-    params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits, ready=ready)
+    warps = recurrence_warps(N * H, sm_count(device_index))
+    params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            kernels.launch("kda_prepare", (beside or items, 1), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
         threads = 32 * (warps + 1)  # the consumer warps and one producer warp
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps]
-        if beside:
-            kernels.launch_beside(name, grid, threads, shared_bytes, stream)
-            note("cuda:recurrence beside prepare")
-        else:
-            kernels.launch(name, grid, threads, shared_bytes, stream)
-            note("cuda:recurrence")
+        kernels.launch(name, grid, threads, shared_bytes, stream)
+        note("cuda:recurrence")

@@ -270,31 +270,6 @@ class Kernels:
         if status:
             self.launch_failed(name, status)
 
-    def launch_beside(self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int) -> None:
-        """Launch ``name`` (a chunk kernel, with :attr:`params`) with programmatic stream
-        serialization: its CTAs may start once every CTA of the kernel before it on ``stream``
-        has run ``griddepcontrol.launch_dependents`` (K1 does at its start), so K2 runs beside
-        K1 and waits on K1's ready flags instead of on its grid. Through cuda-bindings: the
-        launch attribute needs ``cuLaunchKernelEx``'s config structure, a few microseconds a
-        launch, which only the large calls that take this path pay."""
-        if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):
-            raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
-        driver = self.driver
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid[0], grid[1], 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = smem
-        config.hStream = driver.CUstream(stream)
-        config.attrs = [attribute]
-        config.numAttrs = 1
-        check(
-            driver.cuLaunchKernelEx(config, self.kernels[name], ctypes.addressof(self.argument_array), 0),
-            f"launching {name} beside the kernel before it",
-        )
-
     def launch_failed(self, name: str, status: int) -> None:
         """Raise :class:`CudaError` for a failed direct launch, with the driver's own text."""
         try:

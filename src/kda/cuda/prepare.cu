@@ -1,6 +1,4 @@
-// K1, prepare: token-parallel, CTAs of 128 threads (4 warps) walking the (chunk, head) items:
-// one item a CTA, or a persistent grid that publishes each item's workspace through a ready
-// flag (Params::ready) to a recurrence that runs beside it (kda.cuda.forward, "overlap").
+// K1, prepare: token-parallel, one CTA of 128 threads (4 warps) per (chunk, head).
 //
 // For its 16 tokens the CTA activates the inputs (gate, l2norm, beta sigmoid), takes the
 // chunk-local cumulative log-decay G (base 2, anchored at the chunk start so no row depends
@@ -314,8 +312,12 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, 
     w_tiles<5>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
 }
 
-// One (chunk, head) item: its workspace block.
-__device__ __forceinline__ void prepare_item(const Params& p, PrepareShared& s, int64_t c, int64_t h) {
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Params p) {
+  __shared__ PrepareShared s;
+  const int64_t c = blockIdx.x;
+  const int64_t h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __builtin_assume(tid >= 0 && tid < kThreads);
 
@@ -323,7 +325,7 @@ __device__ __forceinline__ void prepare_item(const Params& p, PrepareShared& s, 
   const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
   const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
   // A slot past the call's real chunks (the tables have room for the most the shapes allow):
-  // no tokens, and nothing reads its workspace. The whole CTA skips it before any barrier.
+  // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
   if (left <= 0) return;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), left));
   const bool g_f32 = p.flags & kGFloat32;
@@ -453,34 +455,6 @@ __device__ __forceinline__ void prepare_item(const Params& p, PrepareShared& s, 
     prepare_body<true>(p, s, pr, G, G16, ws);
   else
     prepare_body<false>(p, s, pr, G, G16, ws);
-}
-
-// Item i is (chunk i / heads, head i % heads): a chunk's heads are neighbours in q, k and g,
-// and the chunks come in the order the recurrence consumes them.
-__device__ __forceinline__ void publish_ready(const Params& p, int64_t item) {
-  // Every thread's workspace stores are ordered before the barrier (fence), and thread 0's
-  // release store after it: a CTA of the recurrence that acquires the flag sees the block.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p.ready + item), "r"(1u) : "memory");
-}
-
-}  // namespace
-
-// A grid of any size walks the items: one CTA an item (the serial launch), or a persistent
-// grid of a few CTAs an SM when the recurrence overlaps it (kda.cuda.forward.overlap_prepare_ctas).
-extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Params p) {
-  __shared__ PrepareShared s;
-  // A recurrence launched after this kernel with programmatic stream serialization may start
-  // once every CTA here has started: it waits on p.ready per (chunk, head), never on the grid.
-  // Without that launch attribute the instruction does nothing.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int64_t items = p.num_chunks * p.heads;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    prepare_item(p, s, item / p.heads, item % p.heads);
-    if (p.ready != nullptr) publish_ready(p, item);
-    __syncthreads();  // the next item's loads overwrite the shared tiles this one read last
-  }
 }
 
 }  // namespace kda

@@ -60,20 +60,6 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, uint64_t& full,
                                    stage + kWorkspaceBytes + lane * S::kVRowStride, S::kVRowBytes);
 }
 
-// When K1 runs beside this kernel (Params::ready), a chunk's workspace block may still be in
-// the making: wait for its flag (K1's release store), then order the bulk copy that reads it
-// (the async proxy) after that acquire. One lane of the producer warp spins; the consumers
-// wait on the stage's barrier as always.
-__device__ __forceinline__ void wait_ready(const unsigned* flag) {
-  for (;;) {
-    unsigned ready;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-    if (ready) break;
-    __nanosleep(64);
-  }
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 // Fragment coordinates of lane l in an m16n8k16 accumulator tile: element e sits at row
 // g + 8 (e / 2), column 2 t + (e % 2).
 struct Lane {
@@ -195,7 +181,6 @@ struct Pipeline {
       // Round r >= 1 refills a stage once the consumers' r-th release of it (parity r - 1) is in.
       if (i >= STAGES) mbarrier_wait(empty[stage], round_parity ^ 1);
       const int64_t c = kReverse ? cs.num_chunks - 1 - i : i;
-      if (p.ready != nullptr && threadIdx.x % 32 == 0) wait_ready(p.ready + (cs.c_first + c) * p.heads + cs.h);
       load_stage<WARPS>(smem + stage * Stage<WARPS>::kBytes, full[stage],
                         p.workspace + ((cs.c_first + c) * p.heads + cs.h) * kWorkspaceBytes, p, cs.bos + c * kChunk,
                         cs.rows(c), cs.h, cs.v0);

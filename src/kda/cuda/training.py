@@ -89,7 +89,7 @@ def state_grad_chain(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks:
-            kernels.launch("kda_prepare", (num_chunks * H, 1), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         name, shared_bytes = loader.CHAIN_KERNELS[CHAIN_WARPS]
         grid = (loader.HEAD_DIM // (16 * CHAIN_WARPS) * N * H, 1)
