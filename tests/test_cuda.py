@@ -467,6 +467,28 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
+def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on):
+    """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1): each call's
+    outputs are those of the call alone, bit for bit (K2 reads the same workspace either way)."""
+    from kda.cuda.forward import chunk_forward_runs
+
+    case = cuda_case([0, 17, 1000, 3000], 4, True, "lower_bound", False, True, seed=23)
+    q, k, v, g, beta = case.tensors()
+    kw = case.kwargs()
+    runs = [(v, case.initial_state), (torch.zeros_like(v), torch.randn_like(case.initial_state))]
+    problems = [
+        checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | {"initial_state": h0})) for v_run, h0 in runs
+    ]
+    with kda.record_dispatch() as events:
+        got = chunk_forward_runs(problems)
+    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence"], events
+    for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
+        o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))
+        assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
+
+
+@pytest.mark.gpu
+@cuda_ready
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
     assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
 

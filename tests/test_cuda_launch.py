@@ -157,6 +157,43 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
 
 
+def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
+    """kda.cuda.forward.chunk_forward_runs (the segment split's transition runs): K1 once, with
+    the first call's block, then K2 for every call with its own v, states and outputs and the same
+    workspace and tables; the dispatch log shows one prepare and a recurrence a call."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    kw = case.kwargs(output_final_state=True)
+    q, k, v, g, beta = case.tensors()
+    runs = [(v, torch.zeros(case.initial_state.shape)), (torch.zeros_like(v), torch.randn(case.initial_state.shape))]
+    problems = [
+        checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | dict(initial_state=h0))) for v_run, h0 in runs
+    ]
+    with kda.record_dispatch() as events:
+        results = forward.chunk_forward_runs(problems)
+    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence"], events
+    (prepare_args, first), (_, first_again), (recurrence_args, second) = libcuda.calls
+    assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and recurrence_args[0] != prepare_args[0]
+    assert bytes(first) == bytes(first_again)
+    for block, (v_run, h0), (o, ht) in zip((first, second), runs, results):
+        assert (block.v, block.h0, block.o, block.ht) == (v_run.data_ptr(), h0.data_ptr(), o.data_ptr(), ht.data_ptr())
+    assert (second.workspace, second.chunk_offsets) == (first.workspace, first.chunk_offsets)
+    assert (second.q, second.k, second.g, second.beta) == (first.q, first.k, first.g, first.beta)
+
+
+def test_shared_runs_refuse_calls_that_differ_in_what_k1_reads():
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    q, k, v, g, beta = case.tensors()
+    kw = case.kwargs()
+    first = checked_problem(kda.chunk_kda, q, k, v, g, beta, **kw)
+    for name, other in (("q", q.clone()), ("scale", 0.5)):
+        args = dict(q=q, k=k, v=v, g=g, beta=beta) | ({name: other} if name == "q" else {})
+        over = kw | ({"scale": other} if name == "scale" else {})
+        with pytest.raises(ValueError, match="may differ in v and initial_state only"):
+            forward.chunk_forward_runs([first, checked_problem(kda.chunk_kda, **args, **over)])
+
+
 def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, monkeypatch):
     """Launches happen in the calling thread's current context: a thread that has none (it
     only met torch's caches) makes the device's primary context current, once per thread."""

@@ -271,7 +271,47 @@ def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span):
     monkeypatch.setenv("KDA_SEGMENT_TOKENS", str(span))
     with kda.record_dispatch() as events:
         got = kda.chunk_kda(*case.tensors(), **case.kwargs())
-    assert f"segments:{span}" in events and any(e.startswith("cuda:") for e in events), events
+    assert f"segments:{span}" in events, events
+    # the two transition runs on one K1 (kda.cuda.forward.chunk_forward_runs)
+    assert events.count("cuda:prepare") == 1 and events.count("cuda:recurrence") == 2, events
     # two bf16-input computations of the same function: each about 3e-3 from fp64
     moved = (rel(got[0], want[0]), rel(got[1], want[1]))
     assert max(moved) <= 1e-2, moved
+
+
+def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(monkeypatch):
+    """kda.api.chunk_kda_runs (the split's transition runs): each run's result is chunk_kda's for
+    it, bit for bit; a backend with ``run_shared`` (the CUDA path: K1 once for all) receives all
+    the runs in one call, and one without runs them one by one."""
+    import torch
+
+    from kda import dispatch
+    from kda.api import chunk_kda_runs
+
+    case = make_case(seq_lens=[40, 0, 23], H=2, K=16, V=8, gate="precomputed", device=DEVICE, seed=82)
+    q, k, v, g, beta = case.tensors()
+    kw = case.kwargs()
+    kw.pop("initial_state"), kw.pop("output_final_state")
+    shape = case.initial_state.shape
+    runs = [(v, torch.zeros(shape, device=DEVICE)), (torch.zeros_like(v), torch.randn(shape, device=DEVICE))]
+    expected = [
+        kda.chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, backend="torch", **kw)
+        for v_run, h0 in runs
+    ]
+    backend = dispatch.get_backend("torch")
+    assert not hasattr(backend, "run_shared")
+    shared = []
+    for sharing in (False, True):
+        if sharing:
+            run_one = backend.run
+            monkeypatch.setattr(
+                backend,
+                "run_shared",
+                lambda problems: shared.append(problems) or [run_one(p) for p in problems],
+                raising=False,
+            )
+        got = chunk_kda_runs(q, k, g, beta, runs, kw | {"backend": "torch"})
+        for (o, ht), (o_ref, ht_ref) in zip(got, expected, strict=True):
+            assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    (problems,) = shared
+    assert all(p.v is v_run and p.q is q for p, (v_run, _) in zip(problems, runs, strict=True))

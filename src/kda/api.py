@@ -122,8 +122,26 @@ def chunk_kda(
         if span and longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
-            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why)
+            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why, chunk_kda_runs)
     return dispatch.select(problem, backend).run(problem)
+
+
+def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict) -> list:
+    """``chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)`` for each
+    ``(v, h0)`` of ``runs``: calls that differ in v and the initial state only (the segment
+    split's transition runs, ``transitions.affine_transitions``). Where the backend chosen for
+    every one is the same and can share work between them (``run_shared``: the CUDA path runs
+    K1, which neither enters, once for all), it does; else each call runs alone."""
+    kw = dict(kw)
+    requested = kw.pop("backend", "auto")
+    problems = [
+        checked_problem(chunk_kda, q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw) for v, h0 in runs
+    ]
+    chosen = [dispatch.select(problem, requested) for problem in problems]
+    run_shared = getattr(chosen[0], "run_shared", None)
+    if run_shared is not None and all(backend is chosen[0] for backend in chosen):
+        return run_shared(problems)
+    return [backend.run(problem) for backend, problem in zip(chosen, problems)]
 
 
 def _lengths(problem) -> list[int]:

@@ -108,9 +108,12 @@ def auto_span(lengths: list[int], value_heads: int, sms: int) -> int:
     return AUTO_SPANS[-1]
 
 
-def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int, why: str = SETTING):
+def chunk_kda_segmented(
+    chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int], span: int, why: str = SETTING, runs=None
+):
     """``chunk_kda(q, k, v, g, beta, **kw)`` with every sequence cut into segments of ``span``
-    tokens; the same results (o, final state) as the uncut call. ``why``: the log's reason."""
+    tokens; the same results (o, final state) as the uncut call. ``why``: the log's reason;
+    ``runs``: the transitions' runs all at once (``transitions.affine_transitions``)."""
     from kda.dispatch import log_once, note
 
     B, T, H, K = q.shape
@@ -130,7 +133,7 @@ def chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw: dict, lengths: list[int
     note(f"segments:{span}")
     kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
 
-    P, R, o_zero, o_P = affine_transitions(chunk_kda, *flat, kw, segs, outputs=True)
+    P, R, o_zero, o_P = affine_transitions(chunk_kda, *flat, kw, segs, outputs=True, runs=runs)
     S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
     if h0 is not None:  # (read as is: a bf16 h0 is not rounded further)
         S0 = as_kv(h0).double()

@@ -27,7 +27,7 @@ def kv_layout(v_first: bool):
     return as_kv, from_kv
 
 
-def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: bool = False) -> tuple:
+def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: bool = False, runs=None) -> tuple:
     """``(P [N, HV, K, K], R [N, HV, K, V])`` in the full-precision state dtype (float32, or
     float64 for float64 inputs) of each of the N sequences of the call
     ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state).
@@ -35,7 +35,12 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     ``outputs``: also the runs' outputs, ``(P, R, o_zero [.., T, HV, V], o_P [.., T, HV, K])``: the
     call's output from zero states, and ``o_P`` with ``o_zero + o_P S`` the output from states S
     (row t of a sequence: ``scale Phi_t^T q_t``, Phi_t its transition up to token t, which is
-    what the runs from the identity's columns with v = 0 output), both in the inputs' dtype."""
+    what the runs from the identity's columns with v = 0 output), both in the inputs' dtype.
+
+    ``runs``: where given, ``runs(q, k, g, beta, [(v, initial_state), ...], kw)`` returns the
+    ``(o, final state)`` of every run at once (kda.api.chunk_kda_runs: on the CUDA path K1,
+    which neither v nor the state enters, then serves them all); else chunk_kda runs them one
+    at a time, and without ``outputs`` each run's output is dropped at once."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
     dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
@@ -43,20 +48,30 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     # round every transition to 8 bits)
     kw = dict(kw, final_state_dtype=None)
     zeros = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
-    # (without ``outputs`` the runs' outputs are dropped at once, so one is alive at a time)
-    o_zero, R = chunk_kda(q, k, v, g, beta, initial_state=from_kv(zeros), output_final_state=True, **kw)
+    eye = torch.eye(K, dtype=dtype, device=q.device)
+    v0 = torch.zeros_like(v)
+    blocks = [(c0, min(V, K - c0)) for c0 in range(0, K, V)]  # P's columns, V at a time
+
+    def starts():
+        yield v, from_kv(zeros)
+        for c0, cols in blocks:
+            start = zeros.clone()
+            start[..., :cols] = eye[:, c0 : c0 + cols]
+            yield v0, from_kv(start)
+
+    if runs is not None:
+        results = iter(runs(q, k, g, beta, list(starts()), kw))
+    else:
+        results = (
+            chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, **kw) for v_run, h0 in starts()
+        )
+    o_zero, R = next(results)
     R = as_kv(R)
     if not outputs:
         o_zero = None
     P = torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
     o_P = torch.empty(*v.shape[:-1], K, dtype=v.dtype, device=q.device) if outputs else None
-    eye = torch.eye(K, dtype=dtype, device=q.device)
-    v0 = torch.zeros_like(v)
-    for c0 in range(0, K, V):
-        cols = min(V, K - c0)
-        start = zeros.clone()
-        start[..., :cols] = eye[:, c0 : c0 + cols]
-        o, out = chunk_kda(q, k, v0, g, beta, initial_state=from_kv(start), output_final_state=True, **kw)
+    for (c0, cols), (o, out) in zip(blocks, results):
         P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
         if outputs:
             o_P[..., c0 : c0 + cols] = o[..., :cols]

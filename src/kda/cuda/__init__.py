@@ -165,6 +165,16 @@ class CudaBackend:
             return _decode().decode(p)
         return _chunk_forward()(p)
 
+    def run_shared(self, problems: list[Problem]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`run` of calls that differ in v and the initial state only (kda.api.chunk_kda_runs):
+        K1's workspace holds neither, so K1 runs once and K2 once a call
+        (kda.cuda.forward.chunk_forward_runs); calls that take another route run one by one."""
+        if torch.compiler.is_compiling() or any(p.requires_grad or _decodes(p) for p in problems):
+            return [self.run(p) for p in problems]
+        from kda.cuda.forward import chunk_forward_runs
+
+        return chunk_forward_runs(problems)
+
 
 def _decodes(p: Problem) -> bool:
     """Whether ``p`` runs on the decode kernel: a pool, or a decode shape the kernel takes."""
