@@ -3,9 +3,11 @@ a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 
 the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
 one token, bfloat16); then the training forward's K2 with its checkpoints (the sequences cross
 checkpoint rows), checked against the Triton forward's; then the backward's CUDA reverse chain and
-state products against Triton's, and the products again from two CTAs (several items each).
+state products against Triton's, and the products again from two CTAs (several items each); then a
+segment split against the uncut call.
 Exits non-zero on a wrong answer."""
 
+import os
 import sys
 
 import torch
@@ -103,6 +105,21 @@ scratch_2, dv_2 = torch.full_like(scratch, float("nan")), torch.full_like(dv, fl
 state_products(p, do, checkpoints, ours, workspace, tables, scratch_2, dv_2)
 torch.cuda.synchronize()
 assert torch.equal(scratch_2[finite], scratch[finite]) and torch.equal(dv_2, dv), "products: two CTAs differ"
+# The segment split (64-token segments): its two transition runs on one K1, the second taking v as
+# zeros without reading it (the v_zero flag), against the uncut call.
+case = make_case(seq_lens=[300, 7, 130], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=5)
+case.g = case.g - 6.0  # long memory: a segment's entering state carries through it
+os.environ["KDA_SEGMENT_TOKENS"] = "0"
+uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+os.environ["KDA_SEGMENT_TOKENS"] = "64"
+with kda.record_dispatch() as events:
+    split = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+torch.cuda.synchronize()
+assert "segments:64" in events and events.count("cuda:prepare") == 1, events
+split_apart = max(
+    relative_rms(split[0].float().cpu(), uncut[0].float().cpu()), relative_rms(split[1].cpu(), uncut[1].cpu())
+)
+assert split_apart < 1e-2, f"the split {split_apart:.2e} from the uncut call"
 print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e}, "
-      f"products {products_apart:.2e} from Triton's")  # fmt: skip
+      f"products {products_apart:.2e} from Triton's; split {split_apart:.2e} from uncut")  # fmt: skip
 sys.exit(0 if worst <= 5e-3 else 1)

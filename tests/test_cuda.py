@@ -468,8 +468,9 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on):
-    """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1): each call's
-    outputs are those of the call alone, bit for bit (K2 reads the same workspace either way)."""
+    """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1, the second with
+    v taken as zeros without reading v): each call's outputs are those of the call alone with its
+    v, bit for bit (K2 reads the same workspace either way, and a zero v tile is zeros)."""
     from kda.cuda.forward import chunk_forward_runs
 
     case = cuda_case([0, 17, 1000, 3000], 4, True, "lower_bound", False, True, seed=23)
@@ -479,8 +480,9 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on):
     problems = [
         checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | {"initial_state": h0})) for v_run, h0 in runs
     ]
+    problems[1].v = v  # the second run's v is zeros, read as such (v_zero): its problem's v is a template
     with kda.record_dispatch() as events:
-        got = chunk_forward_runs(problems)
+        got = chunk_forward_runs(problems, v_zero=[False, True])
     assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence"], events
     for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
         o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))

@@ -451,3 +451,20 @@ def test_state_products_refuse_wrong_buffers():
     misaligned = torch.empty(good["do"].numel() + 1, dtype=torch.bfloat16)[1:].view(good["do"].shape)
     with pytest.raises(ValueError, match="do must be contiguous and 16-byte aligned"):
         training.state_products(p, **(good | {"do": misaligned}))
+
+
+def test_shared_runs_that_take_another_route_run_alone_with_their_zeros(monkeypatch):
+    """CudaBackend.run_shared: calls that would not run K1 and K2 (here: with grad) run one by one
+    through run, and a run whose v is zeros gets a zero v made (its problem's v is a template)."""
+    from kda.cuda import BACKEND
+
+    seen = []
+    monkeypatch.setattr(type(BACKEND), "run", lambda self, p: seen.append(p) or (p.v, None))
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    q, k, v, g, beta = case.tensors()
+    q.requires_grad_()
+    problems = [checked_problem(kda.chunk_kda, q, k, v, g, beta, **case.kwargs()) for _ in range(2)]
+    assert all(p.requires_grad for p in problems)
+    results = BACKEND.run_shared(problems, [False, True])
+    assert [o for o, _ in results] == [p.v for p in seen] and seen[0] is problems[0]
+    assert seen[1].v is not v and seen[1].v.shape == v.shape and not seen[1].v.any() and v.any()

@@ -160,17 +160,17 @@ def test_automatic_split_rule_on_the_measured_cases():
     from kda import segments
 
     # run 66: 16384 fastest at 2M tokens, 8192 at 524288 and 131072
-    assert segments.auto_span([2097152], 8, 132) == 16384
+    assert segments.auto_span([2097152], 8, 132) == 32768
     assert segments.auto_span([524288], 8, 132) == 8192 and segments.auto_span([131072], 8, 132) == 8192
     assert segments.auto_span([8 * 2097152], 8, 132) == 65536  # past the last length: the longest
-    assert segments.auto_span([524288], 16, 132) == 0
+    assert segments.auto_span([524288], 16, 132) == 16384
     assert segments.auto_span([131072], 32, 132) == 0 and segments.auto_span([32768], 32, 132) == 0
     long = segments.long_tokens()
     assert segments.auto_span([long - 16], 1, 132) == 0  # short of AUTO_MIN_SEGMENTS segments
     # one long sequence among short ones: only the long one's segments count
     assert segments.auto_span([300] * 500 + [long], 8, 132) == segments.AUTO_SPANS[0]
-    assert segments.auto_span([long, long], 8, 132) == 0  # 16 chains: the uncut call fills enough SMs
-    assert segments.auto_span([long, long], 8, 264) == segments.AUTO_SPANS[0]  # a GPU of twice the SMs
+    assert segments.auto_span([long] * 3, 8, 132) == 0  # 24 chains: the uncut call fills enough SMs
+    assert segments.auto_span([long] * 3, 8, 264) == segments.AUTO_SPANS[0]  # a GPU of twice the SMs
     assert segments.auto_span([], 8, 132) == 0
 
 
@@ -281,8 +281,11 @@ def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span):
 
 def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(monkeypatch):
     """kda.api.chunk_kda_runs (the split's transition runs): each run's result is chunk_kda's for
-    it, bit for bit; a backend with ``run_shared`` (the CUDA path: K1 once for all) receives all
-    the runs in one call, and one without runs them one by one."""
+    it, bit for bit, a v of None being zeros; a backend with ``run_shared`` (the CUDA path: K1 once
+    for all) receives all the runs in one call with which v are zeros, and one without runs them
+    one by one."""
+    from dataclasses import replace
+
     import torch
 
     from kda import dispatch
@@ -293,25 +296,27 @@ def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(
     kw = case.kwargs()
     kw.pop("initial_state"), kw.pop("output_final_state")
     shape = case.initial_state.shape
-    runs = [(v, torch.zeros(shape, device=DEVICE)), (torch.zeros_like(v), torch.randn(shape, device=DEVICE))]
+    runs = [(v, torch.zeros(shape, device=DEVICE)), (None, torch.randn(shape, device=DEVICE))]  # None: v = 0
     expected = [
-        kda.chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, backend="torch", **kw)
+        kda.chunk_kda(q, k, v if v_run is not None else torch.zeros_like(v), g, beta, initial_state=h0,
+                      output_final_state=True, backend="torch", **kw)
         for v_run, h0 in runs
-    ]
+    ]  # fmt: skip
     backend = dispatch.get_backend("torch")
     assert not hasattr(backend, "run_shared")
     shared = []
     for sharing in (False, True):
         if sharing:
             run_one = backend.run
-            monkeypatch.setattr(
-                backend,
-                "run_shared",
-                lambda problems: shared.append(problems) or [run_one(p) for p in problems],
-                raising=False,
-            )
+
+            def run_shared(problems, v_zero):  # (the zero v's problem carries v as its template)
+                shared.append((problems, v_zero))
+                return [run_one(replace(p, v=torch.zeros_like(p.v)) if z else p) for p, z in zip(problems, v_zero)]
+
+            monkeypatch.setattr(backend, "run_shared", run_shared, raising=False)
         got = chunk_kda_runs(q, k, g, beta, runs, kw | {"backend": "torch"})
         for (o, ht), (o_ref, ht_ref) in zip(got, expected, strict=True):
             assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
-    (problems,) = shared
-    assert all(p.v is v_run and p.q is q for p, (v_run, _) in zip(problems, runs, strict=True))
+    ((problems, v_zero),) = shared
+    assert v_zero == [False, True]
+    assert all(p.v is v and p.q is q for p in problems)

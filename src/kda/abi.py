@@ -56,6 +56,7 @@ FLAG_NAMES = (
     "accepted_int64",  # num_accepted_tokens is int64 (else int32)
     # the chunk kernels' (Params) only:
     "store_checkpoints",  # K2 writes the training forward's checkpoints (CHECKPOINT_CHUNKS)
+    "v_zero",  # K2 takes v as zeros and reads none of it (the segment split's P run, kda.transitions)
 )
 FLAGS = {name: 1 << bit for bit, name in enumerate(FLAG_NAMES)}
 

@@ -129,19 +129,28 @@ def chunk_kda(
 def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict) -> list:
     """``chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)`` for each
     ``(v, h0)`` of ``runs``: calls that differ in v and the initial state only (the segment
-    split's transition runs, ``transitions.affine_transitions``). Where the backend chosen for
-    every one is the same and can share work between them (``run_shared``: the CUDA path runs
-    K1, which neither enters, once for all), it does; else each call runs alone."""
+    split's transition runs, ``transitions.affine_transitions``); v None stands for zeros of the
+    first given v's shape. Where the backend chosen for every one is the same and can share work
+    between them (``run_shared``: the CUDA path runs K1, which neither enters, once for all, and
+    reads no v that is zeros), it does; else each call runs alone."""
     kw = dict(kw)
     requested = kw.pop("backend", "auto")
-    problems = [
-        checked_problem(chunk_kda, q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw) for v, h0 in runs
-    ]
-    chosen = [dispatch.select(problem, requested) for problem in problems]
+    template = next(v for v, _ in runs if v is not None)
+    v_zero = [v is None for v, _ in runs]
+
+    def problem(v, h0):
+        return checked_problem(chunk_kda, q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+
+    # (a zero v's problem carries the template's v, which only its shape and dtype are read of)
+    problems = [problem(template if v is None else v, h0) for v, h0 in runs]
+    chosen = [dispatch.select(p, requested) for p in problems]
     run_shared = getattr(chosen[0], "run_shared", None)
     if run_shared is not None and all(backend is chosen[0] for backend in chosen):
-        return run_shared(problems)
-    return [backend.run(problem) for backend, problem in zip(chosen, problems)]
+        return run_shared(problems, v_zero)
+    return [
+        backend.run(problem(torch.zeros_like(template), h0) if zero else p)
+        for backend, p, zero, (_, h0) in zip(chosen, problems, v_zero, runs)
+    ]
 
 
 def _lengths(problem) -> list[int]:

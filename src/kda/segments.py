@@ -55,11 +55,18 @@ AUTO_SEGMENT_TOKENS = 16384
 # 16384 / 65536, uncut, fla): 131072 H8 5.241 / 4.796 / 5.126 / 8.524, 5.948, 5.746; 524288 H8
 # 14.580 / 13.642 / 14.356 / 15.773, 23.505, 22.632; 2097152 H8 55.842 / 52.242 / 51.749 /
 # 55.697, 93.967, 90.211: 8192 first (the rule then takes 16384 at 2M tokens, the fastest there).
+# With the two runs on one K1 (eab7459) and no v read in the P run (run 69, 2026-12-03,
+# benchmarks/results/h200-2026-12-03-long-run69.md, ms at 4096 / 8192 / 16384 / 65536, uncut, fla):
+# 131072 H8 4.689 / 4.919 / 5.087 / 8.368, 5.896, 5.683; 524288 H8 12.486 / 12.784 / 13.384 /
+# 14.205, 23.490, 22.458; 2097152 H8 47.266 / 42.588 / 41.949 / 47.180, 94.484, 89.852; and
+# 1x524288 H16 now splits to advantage, 28.415 / 26.807 / 23.167 / 27.674 against 26.190
+# uncut (34.359 fla): at 16384 (512 chains), not at 8192 (1024). So H16 splits, and the
+# chains stop at four an SM.
 AUTO_SPANS = (8192, 16384, 32768, 65536)
-AUTO_CHAINS_PER_SM = 8
+AUTO_CHAINS_PER_SM = 4
 # Split when the long sequences' (sequence, value head) pairs are at most one per this many
-# SMs (8 on 132 SMs: H8 split, H16 not) ...
-AUTO_SMS_PER_PAIR = 16
+# SMs (16 on 132 SMs: H8 and H16 split, H32 not) ...
+AUTO_SMS_PER_PAIR = 8
 # ... counting as long the sequences of at least this many segments (and only those matter:
 # shorter ones are done before the long chains are).
 AUTO_MIN_SEGMENTS = 8

@@ -49,31 +49,35 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     kw = dict(kw, final_state_dtype=None)
     zeros = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
     eye = torch.eye(K, dtype=dtype, device=q.device)
-    v0 = torch.zeros_like(v)
     blocks = [(c0, min(V, K - c0)) for c0 in range(0, K, V)]  # P's columns, V at a time
 
-    def starts():
+    def starts(v0):  # (v, initial state) of each run; v0 the P runs' v = 0
         yield v, from_kv(zeros)
         for c0, cols in blocks:
             start = zeros.clone()
             start[..., :cols] = eye[:, c0 : c0 + cols]
             yield v0, from_kv(start)
 
-    if runs is not None:
-        results = iter(runs(q, k, g, beta, list(starts()), kw))
+    if runs is not None:  # (None: zeros the runs need not make)
+        results = iter(runs(q, k, g, beta, list(starts(None)), kw))
     else:
         results = (
-            chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, **kw) for v_run, h0 in starts()
+            chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, **kw)
+            for v_run, h0 in starts(torch.zeros_like(v))
         )
     o_zero, R = next(results)
     R = as_kv(R)
     if not outputs:
         o_zero = None
     P = torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
-    o_P = torch.empty(*v.shape[:-1], K, dtype=v.dtype, device=q.device) if outputs else None
+    o_P = None
     for (c0, cols), (o, out) in zip(blocks, results):
         P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
-        if outputs:
+        if outputs and len(blocks) == 1 and cols == V:  # K = V: the run's output is o_P (no copy)
+            o_P = o
+        elif outputs:
+            if o_P is None:
+                o_P = torch.empty(*v.shape[:-1], K, dtype=v.dtype, device=q.device)
             o_P[..., c0 : c0 + cols] = o[..., :cols]
         del o
     return (P, R, o_zero, o_P) if outputs else (P, R)

@@ -27,6 +27,7 @@ K2's stage refills as racing with the 31 lanes that leave the release to lane 0 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import cache
 
 import torch
@@ -165,15 +166,17 @@ class CudaBackend:
             return _decode().decode(p)
         return _chunk_forward()(p)
 
-    def run_shared(self, problems: list[Problem]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """:meth:`run` of calls that differ in v and the initial state only (kda.api.chunk_kda_runs):
-        K1's workspace holds neither, so K1 runs once and K2 once a call
-        (kda.cuda.forward.chunk_forward_runs); calls that take another route run one by one."""
+    def run_shared(self, problems: list[Problem], v_zero: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`run` of calls that differ in v and the initial state only (kda.api.chunk_kda_runs),
+        where ``v_zero[i]`` says call i's v is zeros (its problem's v is only a template): K1's
+        workspace holds neither v nor the state, so K1 runs once and K2 once a call, reading no
+        v that is zeros (kda.cuda.forward.chunk_forward_runs); calls that take another route run
+        one by one, with their zeros made."""
         if torch.compiler.is_compiling() or any(p.requires_grad or _decodes(p) for p in problems):
-            return [self.run(p) for p in problems]
+            return [self.run(replace(p, v=torch.zeros_like(p.v)) if z else p) for p, z in zip(problems, v_zero)]
         from kda.cuda.forward import chunk_forward_runs
 
-        return chunk_forward_runs(problems)
+        return chunk_forward_runs(problems, v_zero)
 
 
 def _decodes(p: Problem) -> bool:

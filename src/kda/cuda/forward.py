@@ -85,6 +85,7 @@ FLAG_HAS_H0 = loader.FLAGS["has_h0"]
 FLAG_STORE_HT = loader.FLAGS["store_ht"]
 FLAG_STATE_V_FIRST = loader.FLAGS["state_v_first"]
 FLAG_STORE_CHECKPOINTS = loader.FLAGS["store_checkpoints"]
+FLAG_V_ZERO = loader.FLAGS["v_zero"]
 FLAG_G_FLOAT32 = loader.FLAGS["g_float32"]
 FLAG_BETA_FLOAT32 = loader.FLAGS["beta_float32"]
 FLAG_H0_BFLOAT16 = loader.FLAGS["h0_bfloat16"]
@@ -123,12 +124,16 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     return o, ht
 
 
-def chunk_forward_runs(problems: list[Problem]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def chunk_forward_runs(
+    problems: list[Problem], v_zero: list[bool] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`chunk_forward` of calls that differ in v and the initial state only (the segment
     split's transition runs: v from zero states, and v = 0 from the identity's columns): K1's
     workspace holds neither (kda_cuda.cuh), so K1 runs once, for the first, and K2 once a call
     on its workspace. Saves a K1 pass a run after the first (about 45% of a pass on 1x8192 H96:
-    K1 0.468 ms, K2 0.548, README). Raises ValueError where the calls differ in what K1 reads."""
+    K1 0.468 ms, K2 0.548, README). ``v_zero[i]``: call i's v is zeros, which its K2 takes
+    without reading v (the ``v_zero`` flag; the problem's v is then only a template of its
+    shape). Raises ValueError where the calls differ in what K1 reads."""
     first = problems[0]
     for p in problems[1:]:
         if _prepare_inputs(p) != _prepare_inputs(first):
@@ -142,7 +147,8 @@ def chunk_forward_runs(problems: list[Problem]) -> list[tuple[torch.Tensor, torc
         return results
     tables, workspace = _tables_and_workspace(first, device_index, stream, capturing)
     for i, (p, (o, ht)) in enumerate(zip(problems, results)):
-        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0)
+        bits = FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0
+        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=bits)
     return results
 
 
@@ -261,12 +267,14 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
     )  # fmt: skip
 
 
-def _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None) -> None:
+def _launch(
+    p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0
+) -> None:
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
-    ``checkpoints`` where given)."""
+    ``checkpoints`` where given; ``extra_bits``: further flags, such as v_zero)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
-    bits = input_flags(p) | state_flags(p, h0, ht)
+    bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
     warps = recurrence_warps(N * H, sm_count(device_index))

@@ -50,6 +50,7 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, uint64_t& full,
                                            const Params& p, int64_t t0, int rows, int64_t h, int v0) {
   using S = Stage<WARPS>;
   const int lane = threadIdx.x % 32;
+  if (p.flags & kVZero) rows = 0;  // v is taken as zeros: nothing of it to load
   if (lane == 0) {
     cute::set_barrier_transaction_bytes(full, kWorkspaceBytes + rows * S::kVRowBytes);
     cute::SM90_BULK_COPY_G2S::copy(ws, &full, stage, kWorkspaceBytes);
@@ -253,10 +254,13 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     const int r_lo = lane.l & 7, sel_a = (lane.l >> 3) & 1, sel_b = (lane.l >> 4) & 1;
 
     // V^T inverse_beta^T, off the serial chain; V^T comes from the row-major v tile by
-    // ldmatrix.trans.
+    // ldmatrix.trans. Where v is taken as zeros (kVZero) no v tile was loaded, and every row
+    // is masked as past the end: zeros. (A branch around these MMAs instead cost the 4-warp
+    // width an 8-byte spill at its 128-register cap, nvcc 13.0, 2026-12-03.)
     float VB[2][4] = {};
     uint32_t aV[4];
-    token_tile_operand(aV, v_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, eos - bos - i * kChunk);
+    const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
+    token_tile_operand(aV, v_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, v_rows);
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
