@@ -61,7 +61,11 @@ AUTO_SEGMENT_TOKENS = 16384
 # 14.205, 23.490, 22.458; 2097152 H8 47.266 / 42.588 / 41.949 / 47.180, 94.484, 89.852; and
 # 1x524288 H16 now splits to advantage, 28.415 / 26.807 / 23.167 / 27.674 against 26.190
 # uncut (34.359 fla): at 16384 (512 chains), not at 8192 (1024). So H16 splits, and the
-# chains stop at four an SM.
+# chains stop at four an SM. Run 70 (acdbcab, the P run reading no v; ms at 8192 / 16384 / 32768
+# / 65536, auto, uncut, fla): 131072 H8 4.556 / 4.982 / 5.597 / 8.110, 3.876 (8192), 5.903, 5.721;
+# 524288 H8 10.950 / 11.083 / 10.686 / 12.987, 11.032 (8192), 23.703, 22.704; 2097152 H8 39.169 /
+# 37.861 / 37.721 / 40.077, 37.220 (32768), 94.227, 90.222; 524288 H16 21.229 / 20.952 / 21.863 /
+# 20.328, 19.568 (16384), 26.082, 34.473: the rule's lengths within 7% of each case's fastest.
 AUTO_SPANS = (8192, 16384, 32768, 65536)
 AUTO_CHAINS_PER_SM = 4
 # Split when the long sequences' (sequence, value head) pairs are at most one per this many
