@@ -42,13 +42,15 @@ def exits_without_teardown(worker):
 
 
 @exits_without_teardown
-def _worker(rank, world, store, backend, layout, with_h0, mismatch):
+def _worker(rank, world, store, backend, layout, with_h0, mismatch, deprecated=False):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         case = make_case(B=2, T=world * T_LOCAL, H=1, HV=2, K=16, V=8, gate="softplus", state_v_first=layout,
                          with_state=with_h0, seed=71)  # fmt: skip
         kw = case.kwargs()
+        if deprecated:  # fla's old name for the V-first layout: the ranks must read it as state_v_first
+            kw["transpose_state_layout"] = kw.pop("state_v_first")
         o_all, ht_all = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
         span = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL - (1 if mismatch and rank == 1 else 0))
         local = [x[:, span].contiguous() for x in case.tensors()]
@@ -208,12 +210,13 @@ def interpreter_refusal() -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
-def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False):
+def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False, deprecated=False):
     if backend == "triton" and (why := interpreter_refusal()):
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
     # The children inherit it (Triton on CPU tensors); monkeypatch restores this process's.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), backend, layout, with_h0, mismatch), nprocs=world)
+    args = (world, str(tmp_path / "store"), backend, layout, with_h0, mismatch, deprecated)
+    mp.spawn(_worker, args=args, nprocs=world)
 
 
 @pytest.mark.parametrize(
@@ -222,6 +225,14 @@ def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mis
 )
 def test_sharded_call_equals_the_unsharded_one(tmp_path, monkeypatch, world, backend, layout, with_h0):
     spawn(tmp_path, monkeypatch, world, backend, layout, with_h0)
+
+
+@pytest.mark.filterwarnings("ignore:`transpose_state_layout` is deprecated")
+def test_sharded_call_reads_the_deprecated_layout_name(tmp_path, monkeypatch):
+    """``transpose_state_layout=True`` (fla's old name for ``state_v_first``) with a cp_group:
+    the ranks' transitions in the V-first layout, as the unsharded call's (which validation
+    folds the name into)."""
+    spawn(tmp_path, monkeypatch, 2, "torch", layout=True, with_h0=True, deprecated=True)
 
 
 @pytest.mark.parametrize(

@@ -171,7 +171,7 @@ def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypat
         checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | dict(initial_state=h0))) for v_run, h0 in runs
     ]
     with kda.record_dispatch() as events:
-        results = forward.chunk_forward_runs(problems)
+        results = forward.chunk_forward_runs(problems, v_zero=[False, True])
     assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence"], events
     (prepare_args, first), (_, first_again), (recurrence_args, second) = libcuda.calls
     assert prepare_args[0] == int(kernels.kernels["kda_prepare"]) and recurrence_args[0] != prepare_args[0]
@@ -179,7 +179,11 @@ def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypat
     for block, (v_run, h0), (o, ht) in zip((first, second), runs, results):
         assert (block.v, block.h0, block.o, block.ht) == (v_run.data_ptr(), h0.data_ptr(), o.data_ptr(), ht.data_ptr())
     assert (second.workspace, second.chunk_offsets) == (first.workspace, first.chunk_offsets)
+    # a workspace of the call's own: the stream's kept one could be refilled between the runs
+    assert all(kept.data_ptr() != first.workspace for kept in forward._workspaces.values())
     assert (second.q, second.k, second.g, second.beta) == (first.q, first.k, first.g, first.beta)
+    # the second run's v is zeros, which its K2 takes without reading v: the bit is in its block only
+    assert not first.flags & forward.FLAG_V_ZERO and second.flags == first.flags | forward.FLAG_V_ZERO
 
 
 def test_shared_runs_refuse_calls_that_differ_in_what_k1_reads():
@@ -468,3 +472,30 @@ def test_shared_runs_that_take_another_route_run_alone_with_their_zeros(monkeypa
     results = BACKEND.run_shared(problems, [False, True])
     assert [o for o, _ in results] == [p.v for p in seen] and seen[0] is problems[0]
     assert seen[1].v is not v and seen[1].v.shape == v.shape and not seen[1].v.any() and v.any()
+
+
+def test_transition_runs_share_their_checked_inputs_on_the_cuda_path(monkeypatch):
+    """kda.api.chunk_kda_runs on the CUDA path with inputs that validation copies or converts (a
+    non-contiguous q, bf16 A_log and dt_bias): every run gets the first run's checked tensors, so
+    one K1 serves them all (forward.share_prepare) instead of a refusal; a zero v's problem carries
+    the first's checked v. (Until 2026-12-03 each run was checked on its own, got its own copies,
+    and chunk_forward_runs refused the split.)"""
+    from kda.api import chunk_kda_runs
+    from kda.cuda import BACKEND
+
+    monkeypatch.setattr(dispatch, "select", lambda problem, requested: BACKEND)
+    handed = []
+    monkeypatch.setattr(forward, "chunk_forward_runs", lambda problems, v_zero: handed.append((problems, v_zero)) or [])
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    q, k, v, g, beta = case.tensors()
+    wide = torch.cat([q, q], dim=-1)[..., :128]  # a slice of a fused projection: not contiguous
+    assert not wide.is_contiguous()
+    kw = case.kwargs(A_log=case.A_log.to(torch.bfloat16), dt_bias=case.dt_bias.to(torch.bfloat16))
+    kw.pop("initial_state"), kw.pop("output_final_state")
+    zeros = torch.zeros(case.initial_state.shape)
+    chunk_kda_runs(wide, k, g, beta, [(v, zeros), (None, torch.randn(zeros.shape))], kw)
+    ((problems, v_zero),) = handed
+    assert v_zero == [False, True] and forward.share_prepare(problems)
+    first, second = problems
+    assert second.q is first.q and second.A_log is first.A_log and second.dt_bias is first.dt_bias
+    assert second.v is first.v and first.A_log.dtype == torch.float32

@@ -320,3 +320,27 @@ def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(
     ((problems, v_zero),) = shared
     assert v_zero == [False, True]
     assert all(p.v is v and p.q is q for p in problems)
+
+
+def test_split_reads_the_deprecated_layout_name(monkeypatch):
+    """``transpose_state_layout=True`` (fla's old name for ``state_v_first``) in a split call: the
+    segments' transitions and states in the V-first layout, as the uncut call's. (Until 2026-12-03
+    the split read only ``state_v_first`` and got o 1.16 off.)"""
+    import warnings
+
+    import torch
+
+    case = make_case(seq_lens=[70, 0, 33], H=1, HV=2, K=32, V=32, gate="precomputed", state_v_first=True,
+                     dtype=torch.float64, device=DEVICE, seed=87)  # fmt: skip
+    case.g = case.g * 0.05  # mild decays: a segment's entering state carries through it
+    kw = case.kwargs()
+    kw["transpose_state_layout"] = kw.pop("state_v_first")
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "0")
+    want = kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "16")
+    with warnings.catch_warnings(record=True) as caught, kda.record_dispatch() as events:
+        warnings.simplefilter("always")
+        got = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    assert "segments:16" in events, events
+    assert any("transpose_state_layout" in str(w.message) for w in caught)
+    assert rel(got[0], want[0]) <= 1e-10 and rel(got[1], want[1]) <= 1e-10, (rel(got[0], want[0]), rel(got[1], want[1]))

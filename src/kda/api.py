@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -93,6 +94,9 @@ def chunk_kda(
         from kda.context_parallel import chunk_kda_context_parallel, from_fla_cp_context
 
         kw = _call_kwargs(locals(), kwargs)
+        if "transpose_state_layout" in kw:  # (the ranks read the layout from state_v_first)
+            kw["state_v_first"] = validation.fold_state_layout(kw["state_v_first"], kw, stacklevel=3)
+            del kw["transpose_state_layout"]
         if initial_state_indices is not None:
             raise ValueError("context parallelism and `initial_state_indices` cannot be combined")
         if kw.get("cp_context") is not None:  # fla's description: kda's cp_group and global cu_seqlens
@@ -122,35 +126,46 @@ def chunk_kda(
         if span and longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
+            # (the split reads the layout from state_v_first: the deprecated name is folded in)
+            kw["state_v_first"] = problem.state_v_first
+            kw.pop("transpose_state_layout", None)
             return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why, chunk_kda_runs)
     return dispatch.select(problem, backend).run(problem)
 
 
-def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict) -> list:
+def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
     """``chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)`` for each
-    ``(v, h0)`` of ``runs``: calls that differ in v and the initial state only (the segment
-    split's transition runs, ``transitions.affine_transitions``); v None stands for zeros of the
-    first given v's shape. Where the backend chosen for every one is the same and can share work
-    between them (``run_shared``: the CUDA path runs K1, which neither enters, once for all, and
-    reads no v that is zeros), it does; else each call runs alone."""
+    ``(v, h0)`` of ``runs``, as an iterable of ``(o, final state)``: calls that differ in v and
+    the initial state only (the segment split's transition runs, ``transitions.affine_transitions``);
+    v None stands for zeros of the first given v's shape. Where the backend chosen for every one is
+    the same and can share work between them (``run_shared``: the CUDA path runs K1, which neither
+    enters, once for all, and reads no v that is zeros), it does; else each call runs alone, one
+    at a time as the results are taken."""
     kw = dict(kw)
     requested = kw.pop("backend", "auto")
-    template = next(v for v, _ in runs if v is not None)
+    first = next(i for i, (v, _) in enumerate(runs) if v is not None)
+
+    state = dict(output_final_state=True)
+    base = checked_problem(chunk_kda, q, k, runs[first][0], g, beta, **kw, initial_state=runs[first][1], **state)
+    # The other runs take the first's checked inputs (validation copies non-contiguous tensors and
+    # converts A_log and dt_bias to float32): then they share them, not equal copies of them; and
+    # a zero v's problem carries the first's checked v, which only its shape and dtype are read of.
+    shared = kw | {name: getattr(base, name) for name in ("A_log", "dt_bias", "cu_seqlens") if name in kw}
+
+    def rest(v, h0):
+        v = base.v if v is None else v
+        return checked_problem(chunk_kda, base.q, base.k, v, base.g, base.beta, **shared, initial_state=h0, **state)
+
+    problems = [base if i == first else rest(v, h0) for i, (v, h0) in enumerate(runs)]
     v_zero = [v is None for v, _ in runs]
-
-    def problem(v, h0):
-        return checked_problem(chunk_kda, q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
-
-    # (a zero v's problem carries the template's v, which only its shape and dtype are read of)
-    problems = [problem(template if v is None else v, h0) for v, h0 in runs]
     chosen = [dispatch.select(p, requested) for p in problems]
     run_shared = getattr(chosen[0], "run_shared", None)
     if run_shared is not None and all(backend is chosen[0] for backend in chosen):
         return run_shared(problems, v_zero)
-    return [
-        backend.run(problem(torch.zeros_like(template), h0) if zero else p)
-        for backend, p, zero, (_, h0) in zip(chosen, problems, v_zero, runs)
-    ]
+    return (
+        backend.run(dataclasses.replace(p, v=torch.zeros_like(p.v)) if zero else p)
+        for backend, p, zero in zip(chosen, problems, v_zero)
+    )
 
 
 def _lengths(problem) -> list[int]:

@@ -37,10 +37,11 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     (row t of a sequence: ``scale Phi_t^T q_t``, Phi_t its transition up to token t, which is
     what the runs from the identity's columns with v = 0 output), both in the inputs' dtype.
 
-    ``runs``: where given, ``runs(q, k, g, beta, [(v, initial_state), ...], kw)`` returns the
-    ``(o, final state)`` of every run at once (kda.api.chunk_kda_runs: on the CUDA path K1,
-    which neither v nor the state enters, then serves them all); else chunk_kda runs them one
-    at a time, and without ``outputs`` each run's output is dropped at once."""
+    ``runs``: where given, ``runs(q, k, g, beta, [(v, initial_state), ...], kw)`` gives the
+    ``(o, final state)`` of every run (v None: zeros), as a list or an iterable that runs them as
+    they are taken (kda.api.chunk_kda_runs: on the CUDA path K1, which neither v nor the state
+    enters, serves them all at once); else chunk_kda runs them one at a time. Without
+    ``outputs`` each run's output is dropped once used."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
     dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
@@ -59,7 +60,9 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
             yield v0, from_kv(start)
 
     if runs is not None:  # (None: zeros the runs need not make)
-        results = iter(runs(q, k, g, beta, list(starts(None)), kw))
+        results = runs(q, k, g, beta, list(starts(None)), kw)
+        # (a list: each run's output is let go once used, not held until the end)
+        results = _popping(results) if isinstance(results, list) else iter(results)
     else:
         results = (
             chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, **kw)
@@ -81,3 +84,10 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
             o_P[..., c0 : c0 + cols] = o[..., :cols]
         del o
     return (P, R, o_zero, o_P) if outputs else (P, R)
+
+
+def _popping(items: list):
+    """The items of ``items``, each dropped from the list as it is yielded."""
+    items.reverse()
+    while items:
+        yield items.pop()

@@ -257,18 +257,24 @@ def _check_gate_params(
     return A_log, dt_bias
 
 
-def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
-    """Check fla's extra keyword arguments (read, never popped: the caller's dict may be reused)
-    and return ``state_v_first``, or the deprecated ``transpose_state_layout`` in its place."""
+def fold_state_layout(state_v_first: object, kwargs: dict, stacklevel: int) -> object:
+    """``state_v_first``, or fla's deprecated ``transpose_state_layout`` of ``kwargs`` in its place
+    (with a DeprecationWarning at ``stacklevel``; both given is an error). The segment split and
+    context parallelism read the layout from ``state_v_first`` alone, so chunk_kda folds it in
+    before them too."""
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
-        warnings.warn(
-            "`transpose_state_layout` is deprecated; use `state_v_first`",
-            DeprecationWarning,
-            stacklevel=4,  # the caller of chunk_kda / fused_recurrent_kda (through check_problem)
-        )
+        warnings.warn("`transpose_state_layout` is deprecated; use `state_v_first`", DeprecationWarning, stacklevel)
         state_v_first = kwargs["transpose_state_layout"]
+    return state_v_first
+
+
+def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
+    """Check fla's extra keyword arguments (read, never popped: the caller's dict may be reused)
+    and return ``state_v_first``, or the deprecated ``transpose_state_layout`` in its place."""
+    # stacklevel 5: the caller of chunk_kda / fused_recurrent_kda (through check_problem)
+    state_v_first = fold_state_layout(state_v_first, kwargs, stacklevel=5)
     if kwargs.get("head_first"):
         raise ValueError("`head_first=True` is not supported by KDA: pass [B, T, H, K] tensors")
     if kwargs.get("cp_context") is not None:  # chunk_kda takes it before checking (kda.context_parallel)

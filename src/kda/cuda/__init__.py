@@ -170,12 +170,16 @@ class CudaBackend:
         """:meth:`run` of calls that differ in v and the initial state only (kda.api.chunk_kda_runs),
         where ``v_zero[i]`` says call i's v is zeros (its problem's v is only a template): K1's
         workspace holds neither v nor the state, so K1 runs once and K2 once a call, reading no
-        v that is zeros (kda.cuda.forward.chunk_forward_runs); calls that take another route run
-        one by one, with their zeros made."""
-        if torch.compiler.is_compiling() or any(p.requires_grad or _decodes(p) for p in problems):
-            return [self.run(replace(p, v=torch.zeros_like(p.v)) if z else p) for p, z in zip(problems, v_zero)]
-        from kda.cuda.forward import chunk_forward_runs
+        v that is zeros (kda.cuda.forward.chunk_forward_runs); calls that take another route, or
+        differ in what K1 reads, run one by one, with their zeros made."""
+        from kda.cuda.forward import chunk_forward_runs, share_prepare
 
+        if (
+            torch.compiler.is_compiling()
+            or any(p.requires_grad or _decodes(p) for p in problems)
+            or not share_prepare(problems)
+        ):
+            return [self.run(replace(p, v=torch.zeros_like(p.v)) if z else p) for p, z in zip(problems, v_zero)]
         return chunk_forward_runs(problems, v_zero)
 
 

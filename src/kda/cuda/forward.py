@@ -135,21 +135,29 @@ def chunk_forward_runs(
     without reading v (the ``v_zero`` flag; the problem's v is then only a template of its
     shape). Raises ValueError where the calls differ in what K1 reads."""
     first = problems[0]
-    for p in problems[1:]:
-        if _prepare_inputs(p) != _prepare_inputs(first):
-            raise ValueError(
-                "chunk_forward_runs: the calls must share q, k, g, beta, A_log, dt_bias, their flags, "
-                "scale, lower bound and sequence layout (they may differ in v and initial_state only)"
-            )
+    if not share_prepare(problems):
+        raise ValueError(
+            "chunk_forward_runs: the calls must share q, k, g, beta, A_log, dt_bias, their flags, "
+            "scale, lower bound and sequence layout (they may differ in v and initial_state only)"
+        )
     kernels, device_index, stream, capturing = _launch_context(first)
     results = [_outputs(p) for p in problems]
     if first.N * first.H == 0:
         return results
-    tables, workspace = _tables_and_workspace(first, device_index, stream, capturing)
+    # A workspace of this call's own, never the stream's kept one: the runs' launches are not one
+    # critical section of the loader's lock, and another thread's call on the same stream could
+    # refill a kept workspace between them.
+    tables, workspace = _tables_and_workspace(first, device_index, stream, capturing, keep=False)
     for i, (p, (o, ht)) in enumerate(zip(problems, results)):
         bits = FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0
         _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=bits)
     return results
+
+
+def share_prepare(problems: list[Problem]) -> bool:
+    """Whether K1 reads the same of every one of ``problems`` (so one K1 serves them all)."""
+    first = _prepare_inputs(problems[0])
+    return all(_prepare_inputs(p) == first for p in problems[1:])
 
 
 def _prepare_inputs(p: Problem) -> tuple:
@@ -173,13 +181,13 @@ def _outputs(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, ht
 
 
-def _tables_and_workspace(p: Problem, device_index: int, stream: int, capturing: bool):
-    """``p``'s chunk tables and a K1 workspace for them: the stream's kept one when small enough
-    and not capturing, else a fresh one."""
+def _tables_and_workspace(p: Problem, device_index: int, stream: int, capturing: bool, keep: bool = True):
+    """``p``'s chunk tables and a K1 workspace for them: the stream's kept one when small enough,
+    not capturing and ``keep``, else a fresh one."""
     with on_device(device_index):  # the tables' (Triton) launch goes to the current device's stream
         tables = chunk_tables(p, capturing)
     nbytes = workspace_bytes(p, tables)
-    if nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
+    if keep and nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
         workspace = stream_workspace(p.q, stream, nbytes)
     else:
         workspace = p.q.new_empty(nbytes, dtype=torch.uint8)
