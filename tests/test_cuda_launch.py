@@ -458,19 +458,25 @@ def test_state_products_refuse_wrong_buffers():
 
 
 def test_shared_runs_that_take_another_route_run_alone_with_their_zeros(monkeypatch):
-    """CudaBackend.run_shared: calls that would not run K1 and K2 (here: with grad) run one by one
-    through run, and a run whose v is zeros gets a zero v made (its problem's v is a template)."""
+    """CudaBackend.run_shared declines calls that would not run K1 and K2 (here: with grad), and
+    kda.api.chunk_kda_runs then runs them one by one through run, a run whose v is zeros with a
+    zero v made (its problem's v is a template)."""
+    from kda.api import chunk_kda_runs
     from kda.cuda import BACKEND
 
+    monkeypatch.setattr(dispatch, "select", lambda problem, requested: BACKEND)
     seen = []
     monkeypatch.setattr(type(BACKEND), "run", lambda self, p: seen.append(p) or (p.v, None))
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     q, k, v, g, beta = case.tensors()
     q.requires_grad_()
-    problems = [checked_problem(kda.chunk_kda, q, k, v, g, beta, **case.kwargs()) for _ in range(2)]
-    assert all(p.requires_grad for p in problems)
-    results = BACKEND.run_shared(problems, [False, True])
-    assert [o for o, _ in results] == [p.v for p in seen] and seen[0] is problems[0]
+    kw = case.kwargs()
+    h0 = kw.pop("initial_state")
+    kw.pop("output_final_state")
+    problems = [checked_problem(kda.chunk_kda, q, k, v, g, beta, initial_state=h0, **kw) for _ in range(2)]
+    assert all(p.requires_grad for p in problems) and BACKEND.run_shared(problems, [False, True]) is None
+    results = list(chunk_kda_runs(q, k, g, beta, [(v, h0), (None, h0)], kw))
+    assert [o for o, _ in results] == [p.v for p in seen] and seen[0].v is v
     assert seen[1].v is not v and seen[1].v.shape == v.shape and not seen[1].v.any() and v.any()
 
 

@@ -139,8 +139,8 @@ def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
     the initial state only (the segment split's transition runs, ``transitions.affine_transitions``);
     v None stands for zeros of the first given v's shape. Where the backend chosen for every one is
     the same and can share work between them (``run_shared``: the CUDA path runs K1, which neither
-    enters, once for all, and reads no v that is zeros), it does; else each call runs alone, one
-    at a time as the results are taken."""
+    enters, once for all, and reads no v that is zeros; None where it cannot), it does; else each
+    call runs alone with its zeros made, one at a time as the results are taken."""
     kw = dict(kw)
     requested = kw.pop("backend", "auto")
     first = next(i for i, (v, _) in enumerate(runs) if v is not None)
@@ -161,7 +161,9 @@ def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
     chosen = [dispatch.select(p, requested) for p in problems]
     run_shared = getattr(chosen[0], "run_shared", None)
     if run_shared is not None and all(backend is chosen[0] for backend in chosen):
-        return run_shared(problems, v_zero)
+        shared_results = run_shared(problems, v_zero)
+        if shared_results is not None:  # (None: these calls take routes that share nothing)
+            return shared_results
     return (
         backend.run(dataclasses.replace(p, v=torch.zeros_like(p.v)) if zero else p)
         for backend, p, zero in zip(chosen, problems, v_zero)

@@ -40,8 +40,8 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     ``runs``: where given, ``runs(q, k, g, beta, [(v, initial_state), ...], kw)`` gives the
     ``(o, final state)`` of every run (v None: zeros), as a list or an iterable that runs them as
     they are taken (kda.api.chunk_kda_runs: on the CUDA path K1, which neither v nor the state
-    enters, serves them all at once); else chunk_kda runs them one at a time. Without
-    ``outputs`` each run's output is dropped once used."""
+    enters, serves them all at once, K = V: two runs, both outputs kept); else chunk_kda runs them
+    one at a time. Without ``outputs`` each run's output is dropped once used."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
     dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
@@ -60,9 +60,7 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
             yield v0, from_kv(start)
 
     if runs is not None:  # (None: zeros the runs need not make)
-        results = runs(q, k, g, beta, list(starts(None)), kw)
-        # (a list: each run's output is let go once used, not held until the end)
-        results = _popping(results) if isinstance(results, list) else iter(results)
+        results = iter(runs(q, k, g, beta, list(starts(None)), kw))
     else:
         results = (
             chunk_kda(q, k, v_run, g, beta, initial_state=h0, output_final_state=True, **kw)
@@ -84,10 +82,3 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
             o_P[..., c0 : c0 + cols] = o[..., :cols]
         del o
     return (P, R, o_zero, o_P) if outputs else (P, R)
-
-
-def _popping(items: list):
-    """The items of ``items``, each dropped from the list as it is yielded."""
-    items.reverse()
-    while items:
-        yield items.pop()

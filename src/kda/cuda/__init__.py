@@ -27,7 +27,6 @@ K2's stage refills as racing with the 31 lanes that leave the release to lane 0 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from functools import cache
 
 import torch
@@ -166,12 +165,14 @@ class CudaBackend:
             return _decode().decode(p)
         return _chunk_forward()(p)
 
-    def run_shared(self, problems: list[Problem], v_zero: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def run_shared(
+        self, problems: list[Problem], v_zero: list[bool]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """:meth:`run` of calls that differ in v and the initial state only (kda.api.chunk_kda_runs),
         where ``v_zero[i]`` says call i's v is zeros (its problem's v is only a template): K1's
         workspace holds neither v nor the state, so K1 runs once and K2 once a call, reading no
-        v that is zeros (kda.cuda.forward.chunk_forward_runs); calls that take another route, or
-        differ in what K1 reads, run one by one, with their zeros made."""
+        v that is zeros (kda.cuda.forward.chunk_forward_runs). None for calls that take another
+        route (grad, decode, compile) or differ in what K1 reads: the caller runs them one by one."""
         from kda.cuda.forward import chunk_forward_runs, share_prepare
 
         if (
@@ -179,7 +180,7 @@ class CudaBackend:
             or any(p.requires_grad or _decodes(p) for p in problems)
             or not share_prepare(problems)
         ):
-            return [self.run(replace(p, v=torch.zeros_like(p.v)) if z else p) for p, z in zip(problems, v_zero)]
+            return None
         return chunk_forward_runs(problems, v_zero)
 
 
