@@ -90,13 +90,13 @@ def chunk_kda(
         ``final_state_dtype`` (float32 by default; float64 for float64 inputs) in the layout
         of ``initial_state`` (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or None.
     """
+    if "transpose_state_layout" in kwargs:  # fla's old name: every route below reads state_v_first
+        state_v_first = validation.fold_state_layout(state_v_first, kwargs, stacklevel=3)
+        kwargs = {name: x for name, x in kwargs.items() if name != "transpose_state_layout"}
     if cp_group is not None or kwargs.get("cp_context") is not None:
         from kda.context_parallel import chunk_kda_context_parallel, from_fla_cp_context
 
         kw = _call_kwargs(locals(), kwargs)
-        if "transpose_state_layout" in kw:  # (the ranks read the layout from state_v_first)
-            kw["state_v_first"] = validation.fold_state_layout(kw["state_v_first"], kw, stacklevel=3)
-            del kw["transpose_state_layout"]
         if initial_state_indices is not None:
             raise ValueError("context parallelism and `initial_state_indices` cannot be combined")
         if kw.get("cp_context") is not None:  # fla's description: kda's cp_group and global cu_seqlens
@@ -126,9 +126,6 @@ def chunk_kda(
         if span and longest > span:
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
-            # (the split reads the layout from state_v_first: the deprecated name is folded in)
-            kw["state_v_first"] = problem.state_v_first
-            kw.pop("transpose_state_layout", None)
             return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why, chunk_kda_runs)
     return dispatch.select(problem, backend).run(problem)
 

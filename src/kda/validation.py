@@ -259,9 +259,9 @@ def _check_gate_params(
 
 def fold_state_layout(state_v_first: object, kwargs: dict, stacklevel: int) -> object:
     """``state_v_first``, or fla's deprecated ``transpose_state_layout`` of ``kwargs`` in its place
-    (with a DeprecationWarning at ``stacklevel``; both given is an error). The segment split and
-    context parallelism read the layout from ``state_v_first`` alone, so chunk_kda folds it in
-    before them too."""
+    (with a DeprecationWarning at ``stacklevel``; both given is an error). chunk_kda folds it in
+    on entry (the segment split and context parallelism read ``state_v_first`` alone);
+    fused_recurrent_kda through :func:`_check_kwargs`."""
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
