@@ -161,6 +161,28 @@ fi
 if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
+if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds A/B'd: PREPARE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
+  for round in 1 2; do
+    for dir in ${PREPARE_AB_DIRS:-.kernels}; do
+      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$dir" \
+        >> "$OUT/prepare-ab.jsonl" 2>> "$OUT/prepare-ab.log"
+    done
+  done
+  python3 - "$OUT/prepare-ab.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+labels = list(dict.fromkeys(r["label"] for r in rows))
+print("ms per build (round 1 / round 2; call, K1, K2):", " | ".join(labels))
+for case in rows[0]["ms"] if rows else []:
+    cells = []
+    for label in labels:
+        cells.append(" / ".join(f"{r['ms'].get(case, float('nan')):.3f} ({r['split'].get(case, {}).get('kda_prepare', 0):.3f}, "
+                                f"{r['split'].get(case, {}).get('kda_recurrence', 0):.3f})" for r in rows if r["label"] == label))
+    print(case, " | ".join(cells))
+for r in rows:
+    print(r["label"], "hash:", r["hash"])
+PY
+fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds A/B'd: DECODE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
   for round in 1 2; do
     for dir in ${DECODE_AB_DIRS:-.kernels}; do

@@ -46,10 +46,11 @@ def test_kernels_built_where_nvcc_exists():
     assert loader.artefact_dir() is not None, f"nvcc exists but no {loader.ARTEFACTS} were installed"
 
 
-# Register ceilings the launch configuration rests on: K1's 128 threads at 5 CTAs an SM
-# (65536 / 640, in steps of 8); K2's caps (recurrence.cu): registers are allocated per SM
-# sub-partition, 168 fits three warps in one, 128 four.
-REGISTER_CEILING = {"kda_prepare": 96, "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
+# Register ceilings the launch configuration rests on: K1's 128 threads at 6 CTAs an SM
+# (65536 / 768, in steps of 8) and its far-row entry point's at 5 (65536 / 640); K2's caps
+# (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
+REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
+                    "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -88,7 +89,8 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {"kda_prepare", *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL,
+                           *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
                            *(name for name, _ in loader.CHAIN_KERNELS.values()), loader.PRODUCTS_KERNEL[0],
                            *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills) in report.items() if spills} == {}

@@ -157,6 +157,37 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
 
 
+@pytest.mark.parametrize(
+    "gate, lower_bound, far",
+    [("lower_bound", -5.0, False), ("lower_bound", -5.02, False), ("lower_bound", -5.04, True),
+     ("lower_bound", -8.0, True), ("precomputed", None, True)],
+)  # fmt: skip
+def test_forward_and_backward_launch_the_prepare_entry_point_the_gate_needs(
+    load_kernels, monkeypatch, gate, lower_bound, far
+):
+    """kda_prepare (six CTAs an SM, ki over the g tile) has no per-row test of a decay past
+    2^-EXP2_LIMIT: only a lower-bound gate whose 16 steps of lb cannot get there may take it
+    (lb >= -5.03); any steeper lb or a precomputed g takes kda_prepare_far, in the forward and in
+    the training backward's K1."""
+    from kda import abi
+    from kda.cuda import training
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate=gate, seed=4)
+    kw = case.kwargs(state_v_first=True)
+    if lower_bound is not None:
+        kw.update(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
+    forward.chunk_forward(p)
+    training.state_grad_chain(p, torch.randn(p.v.shape).to(torch.bfloat16), None, torch.empty(p.state_shape),
+                              torch.empty(3, 2, 128, 128, dtype=torch.bfloat16))  # fmt: skip
+    want = int(kernels.kernels[abi.PREPARE_FAR_KERNEL if far else abi.PREPARE_KERNEL])
+    launched = [args[0] for args, _ in libcuda.calls]
+    assert len(launched) == 4 and launched[0] == launched[2] == want, launched
+    assert want not in (launched[1], launched[3])
+
+
 def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
     """kda.cuda.forward.chunk_forward_runs (the segment split's transition runs): K1 once, with
     the first call's block, then K2 for every call with its own v, states and outputs and the same

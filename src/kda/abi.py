@@ -156,6 +156,19 @@ WORKSPACE_FIELDS, WORKSPACE_BYTES = _layout()  # name -> (byte offset, dtype, sh
 assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
 
 PREPARE_THREADS = 128  # threads of a prepare CTA (one per K column)
+# K1's entry points (prepare.cu): where no row of a chunk can decay past 2^-EXP2_LIMIT, and the
+# other, with the per-row test, the clamp and the pairwise recompute (and ki in a tile of its own).
+PREPARE_KERNEL, PREPARE_FAR_KERNEL = "kda_prepare", "kda_prepare_far"
+
+
+def prepare_kernel_name(gate_lower_bound: bool, lower_bound: float) -> str:
+    """K1's entry point for a gate: the lower-bound gate decays by at most |lb| a token, so with
+    lb at or above -EXP2_LIMIT / (CHUNK log2 e) = -5.025 (safe_gate's lb >= -5 among them) no row of a
+    chunk gets past the limit; a precomputed g may decay by any amount."""
+    may_be_far = not gate_lower_bound or lower_bound * CHUNK * math.log2(math.e) < -EXP2_LIMIT
+    return PREPARE_FAR_KERNEL if may_be_far else PREPARE_KERNEL
+
+
 STAGES = 3  # recurrence pipeline stages; four measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568)
 RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): one entry point each
 CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (recurrence.cu)

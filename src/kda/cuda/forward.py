@@ -7,6 +7,7 @@ import functools
 import torch
 
 import kda.cuda as switches
+from kda import abi
 from kda.cuda import loader
 from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
@@ -222,6 +223,11 @@ def _launch_context(p: Problem):
     return kernels, device_index, stream, capturing
 
 
+def prepare_kernel(p: Problem) -> str:
+    """K1's entry point for ``p``'s gate (abi.prepare_kernel_name)."""
+    return abi.prepare_kernel_name(p.gate_form == "lower_bound", p.lower_bound or 0.0)
+
+
 def input_flags(p: Problem) -> int:
     """The flag bits of how ``p``'s inputs are read and activated (the gate and its A_log and
     dt_bias, l2norm, beta sigmoid, g and beta in float32), shared by every CUDA launch."""
@@ -291,7 +297,7 @@ def _launch(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
         threads = 32 * (warps + 1)  # the consumer warps and one producer warp

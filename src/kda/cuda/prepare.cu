@@ -23,8 +23,8 @@
 // exact in the factored form; a row past it is recomputed in the pairwise form, exact at any
 // depth. The choice is made per row from that row's own G: a later token never changes how
 // an earlier row is computed, which keeps strict causality bit for bit. When the gate's
-// lower bound rules such rows out (the common case), a second instance of the kernel body
-// (kMayBeFar = false) drops the per-row test, the clamp and the recompute.
+// lower bound rules such rows out (the common case), the entry point kda_prepare (kMayBeFar =
+// false) drops the per-row test, the clamp and the recompute; kda_prepare_far keeps them.
 #include "kda_cuda.cuh"
 
 namespace kda {
@@ -39,24 +39,48 @@ constexpr int kRowPad = kChunk + 4;  // 20 floats: A's rows 16-byte aligned for 
 // rows of an ldmatrix read at one column land in eight different bank groups.
 constexpr int kRawPad = kHeadDim + 8;
 
-struct __align__(16) PrepareShared {
+struct __align__(16) PrepareTiles {
   __nv_bfloat16 q[kChunk][kRawPad];  // raw inputs as loaded
   __nv_bfloat16 k[kChunk][kRawPad];
-  union {                                // raw g as loaded, then G once every thread has read g
+  union {  // raw g as loaded; once every thread has read g, G (far rows) or ki (see PrepareShared)
     float g32[kChunk][kHeadDim];
     __nv_bfloat16 g16[kChunk][kHeadDim];
-    float G[kChunk][kPad];               // cumulative log2-decay (only the pairwise rows read it)
+    float G[kChunk][kPad];  // cumulative log2-decay (only the pairwise rows read it)
   } g;
   // scale q exp(G): left operand of M. Warp w reads only its columns [32 w, 32 w + 32), and
   // then stores its partial A and M there (columns 32 w + [0, 16) and 32 w + [16, 32)).
   float qd[kChunk][kPad];
   float kd[kChunk][kPad];  // k exp(G): left operand of A, right operand of w
-  float ki[kChunk][kPad];  // k exp(min(-G, limit)): right operand of A and M
   float A[kChunk][kRowPad];  // strictly lower, row i times beta_i; then inverse_beta
   float M[kChunk][kChunk];
   float rq[kChunk], rk[kChunk], beta[kChunk];  // rq includes the scale
   unsigned far_rows;  // bit i: row i's decay passes the limit
 };
+
+// ki = k exp(min(-G, limit)), the right operand of A and M. Where no row can be far (the entry
+// point kda_prepare), it takes the raw g tile's place, dead once the gate is in registers: 35.7 KB
+// a CTA in place of 44.0, so that six CTAs fit an SM's 228 KB (with the 1 KB it reserves a CTA)
+// instead of five. The pairwise rows of kda_prepare_far read G there, so ki has its own tile.
+template <bool kMayBeFar>
+struct PrepareShared;
+template <>
+struct PrepareShared<false> : PrepareTiles {
+  __device__ float (&ki())[kChunk][kPad] { return g.G; }
+  __device__ const float (&ki() const)[kChunk][kPad] { return g.G; }
+};
+template <>
+struct PrepareShared<true> : PrepareTiles {
+  // alignas: the compiler lays a derived class's members into its base's tail padding (here
+  // after far_rows, 4 mod 8 bytes), where ki's float2 stores faulted as misaligned (run 72).
+  alignas(16) float ki_tile[kChunk][kPad];
+  __device__ float (&ki())[kChunk][kPad] { return ki_tile; }
+  __device__ const float (&ki() const)[kChunk][kPad] { return ki_tile; }
+};
+// (offsetof of a class with a base is conditionally supported; nvcc computes it and warns)
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1427
+static_assert(__builtin_offsetof(PrepareShared<true>, ki_tile) % 16 == 0, "ki's float2 and fragment accesses");
+#pragma nv_diagnostic pop
 
 __device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
   return is_f32 ? static_cast<const float*>(base)[index]
@@ -133,7 +157,7 @@ struct PairRows {
 // (a: inverse_beta as the left operand). An accumulator row holds two adjacent channels,
 // stored as one bf16 pair.
 template <int kTiles>
-__device__ __forceinline__ void w_tiles(const PrepareShared& s, unsigned char* ws, int tile0, const float (&a)[2][4],
+__device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws, int tile0, const float (&a)[2][4],
                                         int g, int t) {
   // tile_offset(g, 8 tile + 2 t) = w_row + 16 (tile ^ g); row g + 8 has the same swizzle.
   unsigned char* const w_row = ws + WorkspaceLayout::w + g * kHeadDim * 2 + 2 * t * 2;
@@ -153,7 +177,7 @@ __device__ __forceinline__ void w_tiles(const PrepareShared& s, unsigned char* w
 
 // Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit.
 template <bool kMayBeFar>
-__device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, const PairRows& pr,
+__device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMayBeFar>& s, const PairRows& pr,
                                              const float (&G)[2][8], const float (&G16)[2], unsigned char* ws) {
   using WS = WorkspaceLayout;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -196,7 +220,7 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, 
     if constexpr (kMayBeFar) *reinterpret_cast<float2*>(&s.g.G[r][pr.c0]) = make_float2(G[0][r8], G[1][r8]);
     *reinterpret_cast<float2*>(&s.qd[r][pr.c0]) = make_float2(qd[0], qd[1]);
     *reinterpret_cast<float2*>(&s.kd[r][pr.c0]) = make_float2(kd[0], kd[1]);
-    *reinterpret_cast<float2*>(&s.ki[r][pr.c0]) = make_float2(ki[0], ki[1]);
+    *reinterpret_cast<float2*>(&s.ki()[r][pr.c0]) = make_float2(ki[0], ki[1]);
     unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
     *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
     *reinterpret_cast<uint32_t*>(ws_at + WS::k_restored) = pack_bf16(restored[0], restored[1]);
@@ -220,7 +244,7 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, 
       left_fragment(qd, s.qd, k0, g_row, t_col);
       const uint32_t qd_tf32[4] = {round_tf32(qd[0]), round_tf32(qd[1]), round_tf32(qd[2]), round_tf32(qd[3])};
       for (int half = 0; half < 2; ++half) {
-        const float b[2] = {s.ki[half * 8 + g_row][k0 + t_col], s.ki[half * 8 + g_row][k0 + t_col + 4]};
+        const float b[2] = {s.ki()[half * 8 + g_row][k0 + t_col], s.ki()[half * 8 + g_row][k0 + t_col + 4]};
         mma_3xtf32(a_acc[half], a, b);
         float(&m)[4] = m_acc[half];
         cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(m[0], m[1], m[2], m[3], qd_tf32[0], qd_tf32[1], qd_tf32[2],
@@ -312,10 +336,11 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared& s, 
     w_tiles<5>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
 }
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Params p) {
-  __shared__ PrepareShared s;
+// The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
+// (abi.prepare_may_be_far, which picks the entry point).
+template <bool kMayBeFar>
+__device__ __forceinline__ void prepare_chunk(const Params& p) {
+  __shared__ PrepareShared<kMayBeFar> s;
   const int64_t c = blockIdx.x;
   const int64_t h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -448,13 +473,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare(const Para
   }
   __syncthreads();  // every thread has read g (G may replace it) and warps 2, 3 have written the norms
 
-  // The lower-bound gate decays by at most |lb| a token: with lb >= -5.02 no row of 16 tokens
-  // gets past the limit, and the per-row test is skipped.
-  const bool may_be_far = !lower_bound || p.lower_bound * kChunk * kLog2e < -kExp2Limit;
-  if (may_be_far)
-    prepare_body<true>(p, s, pr, G, G16, ws);
-  else
-    prepare_body<false>(p, s, pr, G, G16, ws);
+  prepare_body<kMayBeFar>(p, s, pr, G, G16, ws);
 }
+
+}  // namespace
+
+// The lower-bound gate decays by at most |lb| a token: with lb >= -5.025 no row of 16 tokens
+// gets past the limit, and kda_prepare drops the per-row test (the host's choice:
+// abi.prepare_kernel_name). Six CTAs an SM there (35.7 KB of shared memory, at most 80
+// registers: 1x8192 H96 K1 0.471 -> 0.446 ms against the same code at five, run 73,
+// benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
+extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Params p) { prepare_chunk<false>(p); }
+extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const Params p) { prepare_chunk<true>(p); }
 
 }  // namespace kda

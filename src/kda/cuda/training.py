@@ -20,7 +20,15 @@ import torch
 
 from kda import abi
 from kda.cuda import loader
-from kda.cuda.forward import _launch_context, chunk_params, input_flags, sm_count, state_flags, workspace_bytes
+from kda.cuda.forward import (
+    _launch_context,
+    chunk_params,
+    input_flags,
+    prepare_kernel,
+    sm_count,
+    state_flags,
+    workspace_bytes,
+)
 from kda.dispatch import note, on_device
 from kda.tables import chunk_tables
 from kda.validation import Problem
@@ -89,7 +97,7 @@ def state_grad_chain(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks:
-            kernels.launch("kda_prepare", (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         name, shared_bytes = loader.CHAIN_KERNELS[CHAIN_WARPS]
         grid = (loader.HEAD_DIM // (16 * CHAIN_WARPS) * N * H, 1)

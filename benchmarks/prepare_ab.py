@@ -1,0 +1,46 @@
+"""The CUDA forward of one build (``KDA_CUDA_KERNELS_DIR``), timed per kernel, for an A/B of
+prepare.cu (K1) variants in alternating processes (benchmarks/gpu_session.sh step
+``prepareab``): ``python benchmarks/prepare_ab.py LABEL``.
+
+Per anchor case (kda.bench.ANCHOR_CASES, their inputs) and the first with a steeper lower
+bound, lb = -8 (K1's far entry point): the call's median ms, K1's and K2's, and a hash of the output and final state, so
+that two builds of the same arithmetic show the same bits (and a variant that is fast because it
+is wrong shows). One JSON line per process."""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+
+import kda
+from kda import bench
+
+label = sys.argv[1]
+calls = {"kda-cuda": lambda t, kw: kda.chunk_kda(*t, backend="cuda", **kw)}
+cases = [*bench.ANCHOR_CASES, dict(bench.ANCHOR_CASES[0], name="1x8192 H96 lb -8")]
+out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "split": {}, "hash": {}}
+
+
+def measure(case: dict) -> None:
+    tensors, kw = bench.make_inputs(case)
+    if case["name"].endswith("lb -8"):
+        kw.update(lower_bound=-8.0, safe_gate=False)
+    o, ht = calls["kda-cuda"](tensors, kw)
+    digest = hashlib.sha1(o.float().cpu().numpy().tobytes() + ht.float().cpu().numpy().tobytes()).hexdigest()[:16]
+    out["hash"][case["name"]] = digest if bool(torch.isfinite(o).all() and torch.isfinite(ht).all()) else "non-finite"
+    out["ms"][case["name"]] = triton.testing.do_bench(
+        lambda t=tensors, k=kw: calls["kda-cuda"](t, k), warmup=25, rep=100, return_mode="median"
+    )
+    out["split"][case["name"]] = bench.kernel_times(lambda t=tensors, k=kw: calls["kda-cuda"](t, k))
+
+
+for case in cases:
+    try:
+        measure(case)
+    except Exception as error:  # a failing build still reports the cases before it (a CUDA error is sticky)
+        out["hash"][case["name"]] = f"{type(error).__name__}: {str(error)[:80]}"
+        break
+print(json.dumps(out))
