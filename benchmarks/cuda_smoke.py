@@ -1,10 +1,11 @@
 """Small CUDA-path calls for compute-sanitizer (memcheck, racecheck): varlen with an empty,
-a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states; then
-the decode kernel through a state pool with padding and an out-of-range slot (varlen, float32;
-one token, bfloat16); then the training forward's K2 with its checkpoints (the sequences cross
-checkpoint rows), checked against the Triton forward's; then the backward's CUDA reverse chain and
-state products against Triton's, and the products again from two CTAs (several items each); then a
-segment split against the uncut call.
+a one-token and a tail-chunk sequence, both state layouts, float32 and bfloat16 states, and
+K1's far-row entry point (hard resets); then the decode kernel through a state pool with
+padding and an out-of-range slot (varlen, float32; one token, bfloat16); then the training
+forward's K2 with its checkpoints (the sequences cross checkpoint rows), checked against the
+Triton forward's; then the backward's CUDA reverse chain and state products against Triton's,
+and the products again from two CTAs (several items each); then a segment split against the
+uncut call.
 Exits non-zero on a wrong answer."""
 
 import os
@@ -30,6 +31,17 @@ for layout, state_dtype in ((False, torch.float32), (True, torch.float32), (True
     assert "cuda:recurrence" in events, events
     o_ref, ht_ref = fp64_reference(case)
     worst = max(worst, relative_rms(o.cpu(), o_ref), relative_rms(ht.cpu(), ht_ref))
+# K1's far entry point (kda_prepare_far, ki in a tile of its own): a precomputed g with hard resets,
+# whose rows past the exp2 limit take the pairwise form.
+case = make_case(seq_lens=[0, 1, 37, 16], H=2, K=128, V=128, dtype=torch.bfloat16, gate="precomputed", device="cuda",
+                 seed=6)  # fmt: skip
+for t, h, channels in ((2, 0, [0, 1]), (9, 1, list(range(128))), (20, 0, [5]), (40, 1, [7])):
+    case.g[0, t, h, channels] = -300.0
+o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+torch.cuda.synchronize()
+o_ref, ht_ref = fp64_reference(case)
+far_worst = max(relative_rms(o.cpu(), o_ref), relative_rms(ht.cpu(), ht_ref))
+worst = max(worst, far_worst)
 for layout, state_dtype, lens in ((False, torch.float32, [3, 0, 1, 2]), (True, torch.bfloat16, [1, 1, 1, 1])):
     case = make_case(seq_lens=lens, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, state_v_first=layout,
                      device="cuda", seed=4)  # fmt: skip
@@ -120,6 +132,7 @@ split_apart = max(
     relative_rms(split[0].float().cpu(), uncut[0].float().cpu()), relative_rms(split[1].cpu(), uncut[1].cpu())
 )
 assert split_apart < 1e-2, f"the split {split_apart:.2e} from the uncut call"
-print(f"cuda smoke: worst relative RMS {worst:.2e}; checkpoints {apart:.2e}, chain {chain_apart:.2e}, "
-      f"products {products_apart:.2e} from Triton's; split {split_apart:.2e} from uncut")  # fmt: skip
+print(f"cuda smoke: worst relative RMS {worst:.2e} (far rows {far_worst:.2e}); checkpoints {apart:.2e}, "
+      f"chain {chain_apart:.2e}, products {products_apart:.2e} from Triton's; "
+      f"split {split_apart:.2e} from uncut")  # fmt: skip
 sys.exit(0 if worst <= 5e-3 else 1)
