@@ -18,6 +18,22 @@ from kda.cuda.decode import decode
 from kda.reference import relative_rms
 from kda.triton.decode import decode as triton_decode
 
+
+def summary(path: str) -> None:
+    with open(path) as lines:
+        rows = [json.loads(line) for line in lines if line.startswith("{")]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    print("graph ms per build (round 1 / round 2):", " | ".join(labels))
+    for key in rows[0]["ms"] if rows else []:
+        cells = [" / ".join(f"{r['ms'][key]:.4f}" for r in rows if r["label"] == label) for label in labels]
+        print(key, " | ".join(cells))
+    for r in rows:
+        print(r["label"], "err vs triton (o, state):", {k: tuple(f"{x:.1e}" for x in v) for k, v in r["err"].items()})
+
+
+if sys.argv[1] == "--summary":
+    summary(sys.argv[2])
+    sys.exit(0)
 label = sys.argv[1]
 sizes = [int(n) for n in sys.argv[2:]] or [32, 256, 1024]
 WIDTHS = {torch.float32: (32, 64), torch.bfloat16: (64, 128)}

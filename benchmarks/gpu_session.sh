@@ -161,43 +161,21 @@ fi
 if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_recurrent_kda (kda bench --decode)
   timeout ${DECODE_TIMEOUT:-300} python3 -m kda bench --decode --out "$OUT" ${DECODE_ARGS:-} > "$OUT/bench-decode.log" 2>&1; tail -40 "$OUT/bench-decode.log"
 fi
-if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds A/B'd: PREPARE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
+# Builds A/B'd in alternating processes, two rounds: ab_rounds NAME "DIRS" SCRIPT [ARGS]; each process prints a JSON
+# line to $OUT/NAME.jsonl, and SCRIPT --summary reads them back as a table.
+ab_rounds() {
+  local name=$1 dirs=$2 script=$3
+  shift 3
   for round in 1 2; do
-    for dir in ${PREPARE_AB_DIRS:-.kernels}; do
-      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$dir" \
-        >> "$OUT/prepare-ab.jsonl" 2>> "$OUT/prepare-ab.log"
+    for dir in $dirs; do
+      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 "$script" "$dir" "$@" >> "$OUT/$name.jsonl" 2>> "$OUT/$name.log"
     done
   done
-  python3 - "$OUT/prepare-ab.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
-labels = list(dict.fromkeys(r["label"] for r in rows))
-print("ms per build (round 1 / round 2; call, K1, K2):", " | ".join(labels))
-for case in rows[0]["ms"] if rows else []:
-    cells = []
-    for label in labels:
-        cells.append(" / ".join(f"{r['ms'].get(case, float('nan')):.3f} ({r['split'].get(case, {}).get('kda_prepare', 0):.3f}, "
-                                f"{r['split'].get(case, {}).get('kda_recurrence', 0):.3f})" for r in rows if r["label"] == label))
-    print(case, " | ".join(cells))
-for r in rows:
-    print(r["label"], "hash:", r["hash"])
-PY
+  python3 "$script" --summary "$OUT/$name.jsonl"
+}
+if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
+  ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
 fi
-if [[ $step == *decodeab* ]]; then  # decode.cu builds A/B'd: DECODE_AB_DIRS=".kernels .kernels-var", alternating processes, two rounds
-  for round in 1 2; do
-    for dir in ${DECODE_AB_DIRS:-.kernels}; do
-      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/decode_ab.py "$dir" ${DECODE_AB_SIZES:-32 256 1024} \
-        >> "$OUT/decode-ab.jsonl" 2>> "$OUT/decode-ab.log"
-    done
-  done
-  python3 - "$OUT/decode-ab.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
-labels = list(dict.fromkeys(r["label"] for r in rows))
-print("graph ms per build (round 1 / round 2):", " | ".join(labels))
-for key in rows[0]["ms"] if rows else []:
-    print(key, " | ".join(" / ".join(f"{r['ms'][key]:.4f}" for r in rows if r["label"] == label) for label in labels))
-for r in rows:
-    print(r["label"], "err vs triton (o, state):", {k: tuple(f"{x:.1e}" for x in v) for k, v in r["err"].items()})
-PY
+if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"
+  ab_rounds decode-ab "${DECODE_AB_DIRS:-.kernels}" benchmarks/decode_ab.py ${DECODE_AB_SIZES:-32 256 1024}
 fi

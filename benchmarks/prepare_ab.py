@@ -5,7 +5,8 @@ prepare.cu (K1) variants in alternating processes (benchmarks/gpu_session.sh ste
 Per anchor case (kda.bench.ANCHOR_CASES, their inputs) and the first with a steeper lower
 bound, lb = -8 (K1's far entry point): the call's median ms, K1's and K2's, and a hash of the output and final state, so
 that two builds of the same arithmetic show the same bits (and a variant that is fast because it
-is wrong shows). One JSON line per process."""
+is wrong shows). One JSON line per process; ``--summary FILE`` prints those lines of a file as a
+table."""
 
 import hashlib
 import json
@@ -18,6 +19,26 @@ import triton.testing
 import kda
 from kda import bench
 
+
+def summary(path: str) -> None:
+    with open(path) as lines:
+        rows = [json.loads(line) for line in lines if line.startswith("{")]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    print("ms per build (round 1 / round 2; call, K1, K2):", " | ".join(labels))
+    for case in rows[0]["ms"] if rows else []:
+        cells = []
+        for label in labels:
+            runs = [(r["ms"].get(case, float("nan")), r["split"].get(case, {})) for r in rows if r["label"] == label]
+            cells.append(" / ".join(f"{ms:.3f} ({split.get('kda_prepare', 0):.3f}, "
+                                    f"{split.get('kda_recurrence', 0):.3f})" for ms, split in runs))  # fmt: skip
+        print(case, " | ".join(cells))
+    for r in rows:
+        print(r["label"], "hash:", r["hash"])
+
+
+if sys.argv[1] == "--summary":
+    summary(sys.argv[2])
+    sys.exit(0)
 label = sys.argv[1]
 calls = {"kda-cuda": lambda t, kw: kda.chunk_kda(*t, backend="cuda", **kw)}
 cases = [*bench.ANCHOR_CASES, dict(bench.ANCHOR_CASES[0], name="1x8192 H96 lb -8")]
