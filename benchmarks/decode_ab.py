@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+from ab_rows import ab_rows
 
 from kda.bench_decode import decode_problem, graph_ms
 from kda.cuda.decode import decode
@@ -20,9 +21,7 @@ from kda.triton.decode import decode as triton_decode
 
 
 def summary(path: str) -> None:
-    with open(path) as lines:
-        rows = [json.loads(line) for line in lines if line.startswith("{")]
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+    rows, labels = ab_rows(path)
     print("graph ms per build (round 1 / round 2):", " | ".join(labels))
     for key in rows[0]["ms"] if rows else []:
         cells = [" / ".join(f"{r['ms'][key]:.4f}" for r in rows if r["label"] == label) for label in labels]

@@ -15,15 +15,14 @@ import sys
 
 import torch
 import triton.testing
+from ab_rows import ab_rows
 
 import kda
 from kda import bench
 
 
 def summary(path: str) -> None:
-    with open(path) as lines:
-        rows = [json.loads(line) for line in lines if line.startswith("{")]
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+    rows, labels = ab_rows(path)
     print("ms per build (round 1 / round 2; call, K1, K2):", " | ".join(labels))
     for case in rows[0]["ms"] if rows else []:
         cells = []

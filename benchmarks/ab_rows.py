@@ -1,0 +1,10 @@
+"""The JSON lines an A/B script (prepare_ab.py, decode_ab.py) wrote, one per process, and their
+build labels in first-seen order."""
+
+import json
+
+
+def ab_rows(path: str) -> tuple[list[dict], list[str]]:
+    with open(path) as lines:
+        rows = [json.loads(line) for line in lines if line.startswith("{")]
+    return rows, list(dict.fromkeys(r["label"] for r in rows))
