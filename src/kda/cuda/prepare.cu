@@ -337,7 +337,7 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
 }
 
 // The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
-// (abi.prepare_may_be_far, which picks the entry point).
+// (abi.prepare_kernel_name, which picks the entry point).
 template <bool kMayBeFar>
 __device__ __forceinline__ void prepare_chunk(const Params& p) {
   __shared__ PrepareShared<kMayBeFar> s;
