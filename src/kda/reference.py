@@ -446,6 +446,73 @@ def segmented_chunk16_kda(
     return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
+def two_pass_segments_chunk16_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    segment_chunks: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`segmented_chunk16_kda` as the CUDA path's split computes it (``docs/algorithm.md``
+    section 7b), all segments of a sequence at once: one chunk loop over a segment's length,
+    every segment a batch entry, whose state carries the zero state's run on v beside the
+    identity's columns on v = 0, so that it ends as ``[R | P]`` and its outputs are ``[o_zero |
+    o_P]``; then the boundary chain, and ``o = o_zero + o_P S`` with each segment's entering state
+    S. A last segment shorter than the others is padded with tokens that leave the state as it is
+    (k = q = v = 0, beta = 0, g = 0). The same function as :func:`chunk16_kda`; on a GPU in float64
+    it is the yardstick of a million-token call (``benchmarks/long_accuracy.py``): the chunk
+    steps run once per segment length, not once per chunk of the sequence."""
+    if segment_chunks < 1:
+        raise ValueError(f"`segment_chunks` must be >= 1, got {segment_chunks}")
+    span = segment_chunks * CHUNK
+
+    def advance(q, k, v, g, beta, S, scale):
+        L, HV, K = q.shape
+        V = v.shape[-1]
+        if L == 0:
+            return torch.zeros_like(v), S
+        n = -(-L // span)
+
+        def segments(x: torch.Tensor) -> torch.Tensor:  # [L, HV, ...] -> [n, span, HV, ...], zero-padded
+            if n * span == L and x.is_contiguous():  # (a view: a million tokens in float64 are GBs)
+                return x.view(n, span, *x.shape[1:])
+            padded = x.new_zeros(n * span, *x.shape[1:])
+            padded[:L] = x
+            return padded.view(n, span, *x.shape[1:])
+
+        qs, ks, vs, gs, bs = (segments(x) for x in (q, k, v, g, beta))
+        state = torch.zeros(n, HV, K, V + K, dtype=q.dtype, device=q.device)
+        state[..., V:] = torch.eye(K, dtype=q.dtype, device=q.device)
+        state = state.view(n * HV, K, V + K)
+        outputs = torch.empty(n, span, HV, V + K, dtype=q.dtype, device=q.device)
+        zeros = q.new_zeros(n * HV, CHUNK, K)
+        for c0 in range(0, span, CHUNK):
+            rows = slice(c0, c0 + CHUNK)
+
+            def batch(x: torch.Tensor) -> torch.Tensor:  # [n, C, HV, ...] -> [n HV, C, ...]
+                x = x[:, rows].transpose(1, 2)
+                return x.reshape(n * HV, *x.shape[2:])
+
+            ops = prepare_chunk(batch(qs), batch(ks), batch(gs), batch(bs), scale)
+            O, state = recurrence_step(ops, torch.cat([batch(vs), zeros], -1), state)
+            outputs[:, rows] = O.view(n, HV, CHUNK, V + K).transpose(1, 2)
+        state = state.view(n, HV, K, V + K)
+        R, P = state[..., :V], state[..., V:]
+        entering = [S]
+        for j in range(n - 1):  # the chain over segment boundaries
+            entering.append(P[j] @ entering[-1] + R[j])
+        E = torch.stack(entering)  # [n, HV, K, V]
+        o = outputs[..., :V] + torch.einsum("nthk,nhkv->nthv", outputs[..., V:], E)
+        return o.reshape(n * span, HV, V)[:L], P[-1] @ E[-1] + R[-1]
+
+    return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
 # ----------------------------------------------------------------------------- chunk-16 backward
 
 
