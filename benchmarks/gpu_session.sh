@@ -147,8 +147,12 @@ fi
 if [[ $step == *chain* ]]; then  # the split's boundary chain alone: steps against blocks (benchmarks/chain_time.py)
   timeout ${CHAIN_TIMEOUT:-120} python3 benchmarks/chain_time.py ${CHAIN_SEGMENTS:-} > "$OUT/chain-time.log" 2>&1; cat "$OUT/chain-time.log" | tail -8
 fi
-if [[ $step == *long* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
+if [[ " $step " == *" long "* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
+fi
+if [[ $step == *longacc* ]]; then  # one long sequence against the float64 yardstick (benchmarks/long_accuracy.py [T] [H])
+  timeout ${LONGACC_TIMEOUT:-300} python3 benchmarks/long_accuracy.py ${LONGACC_ARGS:-} > "$OUT/long-accuracy.log" 2>&1
+  grep -v '^{' "$OUT/long-accuracy.log" | tail -12; grep '^{' "$OUT/long-accuracy.log" > "$OUT/long-accuracy.json"
 fi
 if [[ $step == *decodeprof* ]]; then  # ncu of decode configurations: DECODE_PROFILES="cuda,bfloat16,plain,256 triton,float32,plain,256,16"
   for cfg in ${DECODE_PROFILES:-cuda,bfloat16,plain,256}; do
