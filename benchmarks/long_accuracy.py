@@ -5,8 +5,8 @@ state 2.4e-3 on a sequence of a million tokens): ``python benchmarks/long_accura
 Inputs as ``kda bench`` (kda.bench.make_inputs: bf16, K = V = 128, the lower-bound gate, l2norm
 and beta sigmoid in the kernel, fp32 states), with the raw gate as timed and lowered by
 bench_long.SPLIT_CHECK_GATE_SHIFT (long memory: the state entering a segment carries through it).
-The yardstick: reference.two_pass_segments_chunk16_kda in float64 on the GPU, the chunk form's
-function with all segments of the sequence batched (tests/test_reference.py holds it to the chunk
+The yardstick: reference.segmented_chunk16_kda(two_pass=True) in float64 on the GPU, the chunk
+form's function with all segments of the sequence batched (tests/test_reference.py holds it to the chunk
 form at 1e-12), from the same activated inputs. Compared: kda-cuda as dispatched (the automatic
 segment split where kda.segments.auto_span takes it), kda-cuda uncut (KDA_SEGMENT_TOKENS=0) and
 fla's chunk_kda; relative RMS of o and of the final state. Prints the table and one JSON line."""
@@ -46,9 +46,9 @@ for gate_shift in (0.0, SPLIT_CHECK_GATE_SHIFT):
         start = time.perf_counter()
         p = checked_problem(kda.chunk_kda, *inputs, **kw)
         h0 = p.initial_state.double().transpose(-1, -2)  # fp32 [N, H, V, K] -> the reference's [N, H, K, V]
-        o_ref, h_ref = reference.two_pass_segments_chunk16_kda(
+        o_ref, h_ref = reference.segmented_chunk16_kda(
             *activated_inputs(p, torch.float64), scale=p.scale, initial_state=h0, output_final_state=True,
-            segment_chunks=SEGMENT_CHUNKS,
+            segment_chunks=SEGMENT_CHUNKS, two_pass=True,
         )  # fmt: skip
         h_ref = h_ref.transpose(-1, -2)  # back to [N, H, V, K], the calls' layout
         torch.cuda.synchronize()

@@ -151,12 +151,12 @@ def test_hard_resets_are_exact_in_the_chunk_form(value):
     lens=st.lists(st.integers(0, 90), min_size=0, max_size=3),
     segment_chunks=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
-    form=st.sampled_from(["segmented_chunk16_kda", "two_pass_segments_chunk16_kda"]),
+    two_pass=st.booleans(),
 )
-def test_segmented_chunk_form_equals_the_chunk_form(lens, segment_chunks, seed, form):
+def test_segmented_chunk_form_equals_the_chunk_form(lens, segment_chunks, seed, two_pass):
     """Segments' affine transitions (P, R), chained at the boundaries, then each segment run from
-    its true start (spec section 8), or its output formed from the transition runs' (the two-pass
-    form, all segments batched): equal to the chunk form to float64 rounding. Mild decays
+    its true start (spec section 8), or its output formed from the transition runs' (two_pass,
+    all segments batched): equal to the chunk form to float64 rounding. Mild decays
     (so that P carries the entering state far: with steep ones P vanishes and a wrong chain
     would go unseen), a 100-token sequence over several segments, varlen sequences shorter
     than a segment, partial last chunks, a hard reset."""
@@ -168,5 +168,7 @@ def test_segmented_chunk_form_equals_the_chunk_form(lens, segment_chunks, seed, 
     beta = torch.sigmoid(c.beta)
     args = dict(scale=0.3, initial_state=c.initial_state, output_final_state=True, cu_seqlens=c.cu_seqlens)
     o_c, s_c = reference.chunk16_kda(q, k, c.v, c.g, beta, **args)
-    o_s, s_s = getattr(reference, form)(q, k, c.v, c.g, beta, segment_chunks=segment_chunks, **args)
+    o_s, s_s = reference.segmented_chunk16_kda(
+        q, k, c.v, c.g, beta, segment_chunks=segment_chunks, two_pass=two_pass, **args
+    )
     assert rel(o_s, o_c) <= 1e-12 and rel(s_s, s_c) <= 1e-12, (rel(o_s, o_c), rel(s_s, s_c))

@@ -418,99 +418,92 @@ def segmented_chunk16_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     segment_chunks: int = 4,
+    two_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunk-16 form with each sequence cut into segments of ``segment_chunks`` chunks
     (spec section 8), :func:`chunk16_kda`'s contract. Three passes: every segment's ``(P, R)``
     (independent of the others: the parallel part), the boundary states chained through them
     (``S_{j+1} = P_j S_j + R_j``, one short sequential scan), and every segment run from its
-    true initial state (parallel again)."""
+    true initial state (parallel again).
+
+    ``two_pass``: as the CUDA path's split computes it (``docs/algorithm.md`` section 7b), all
+    segments of a sequence at once: one chunk loop over a segment's length, every segment a
+    batch entry, whose state carries the zero state's run on v beside the identity's columns on
+    v = 0, so that it ends as ``[R | P]`` and its outputs are ``[o_zero | o_P]``; then the
+    boundary chain, and ``o = o_zero + o_P S`` with each segment's entering state S. A last
+    segment shorter than the others is padded with tokens that leave the state as it is (k = q
+    = v = 0, beta = 0, g = 0). On a GPU in float64 it is the yardstick of a million-token call
+    (``benchmarks/long_accuracy.py``): the chunk steps run once per segment length, not once per
+    chunk of the sequence."""
     if segment_chunks < 1:
         raise ValueError(f"`segment_chunks` must be >= 1, got {segment_chunks}")
     span = segment_chunks * CHUNK
+    form = _two_pass_segments if two_pass else _three_pass_segments
 
     def advance(q, k, v, g, beta, S, scale):
-        starts = list(range(0, q.shape[0], span))
-        pieces = [tuple(x[a : a + span] for x in (q, k, v, g, beta)) for a in starts]
-        transitions = [segment_transition(*piece, scale) for piece in pieces]  # parallel over segments
-        entering = [S]
-        for P, R in transitions[:-1]:  # the scan over segment boundaries
-            entering.append(P @ entering[-1] + R)
-        o = torch.zeros_like(v)
-        for a, piece, S_j in zip(starts, pieces, entering):  # parallel over segments
-            o[a : a + span], _ = _chunk_steps(*piece, S_j, scale)
-        if transitions:
-            P, R = transitions[-1]
-            S = P @ entering[-1] + R
-        return o, S
+        return form((q, k, v, g, beta), S, scale, span)
 
     return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
-def two_pass_segments_chunk16_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    segment_chunks: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`segmented_chunk16_kda` as the CUDA path's split computes it (``docs/algorithm.md``
-    section 7b), all segments of a sequence at once: one chunk loop over a segment's length,
-    every segment a batch entry, whose state carries the zero state's run on v beside the
-    identity's columns on v = 0, so that it ends as ``[R | P]`` and its outputs are ``[o_zero |
-    o_P]``; then the boundary chain, and ``o = o_zero + o_P S`` with each segment's entering state
-    S. A last segment shorter than the others is padded with tokens that leave the state as it is
-    (k = q = v = 0, beta = 0, g = 0). The same function as :func:`chunk16_kda`; on a GPU in float64
-    it is the yardstick of a million-token call (``benchmarks/long_accuracy.py``): the chunk
-    steps run once per segment length, not once per chunk of the sequence."""
-    if segment_chunks < 1:
-        raise ValueError(f"`segment_chunks` must be >= 1, got {segment_chunks}")
-    span = segment_chunks * CHUNK
+def _three_pass_segments(inputs: tuple, S: torch.Tensor, scale: float, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence (q, k, v, g, beta ``[L, HV, ...]``) in segments of ``span`` tokens, one at a time."""
+    q, k, v, g, beta = inputs
+    starts = list(range(0, q.shape[0], span))
+    pieces = [tuple(x[a : a + span] for x in (q, k, v, g, beta)) for a in starts]
+    transitions = [segment_transition(*piece, scale) for piece in pieces]  # parallel over segments
+    entering = [S]
+    for P, R in transitions[:-1]:  # the scan over segment boundaries
+        entering.append(P @ entering[-1] + R)
+    o = torch.zeros_like(v)
+    for a, piece, S_j in zip(starts, pieces, entering):  # parallel over segments
+        o[a : a + span], _ = _chunk_steps(*piece, S_j, scale)
+    if transitions:
+        P, R = transitions[-1]
+        S = P @ entering[-1] + R
+    return o, S
 
-    def advance(q, k, v, g, beta, S, scale):
-        L, HV, K = q.shape
-        V = v.shape[-1]
-        if L == 0:
-            return torch.zeros_like(v), S
-        n = -(-L // span)
 
-        def segments(x: torch.Tensor) -> torch.Tensor:  # [L, HV, ...] -> [n, span, HV, ...], zero-padded
-            if n * span == L and x.is_contiguous():  # (a view: a million tokens in float64 are GBs)
-                return x.view(n, span, *x.shape[1:])
-            padded = x.new_zeros(n * span, *x.shape[1:])
-            padded[:L] = x
-            return padded.view(n, span, *x.shape[1:])
+def _two_pass_segments(inputs: tuple, S: torch.Tensor, scale: float, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence (q, k, v, g, beta ``[L, HV, ...]``) in segments of ``span`` tokens, all at once."""
+    q, k, v, g, beta = inputs
+    L, HV, K = q.shape
+    V = v.shape[-1]
+    if L == 0:
+        return torch.zeros_like(v), S
+    n = -(-L // span)
 
-        qs, ks, vs, gs, bs = (segments(x) for x in (q, k, v, g, beta))
-        state = torch.zeros(n, HV, K, V + K, dtype=q.dtype, device=q.device)
-        state[..., V:] = torch.eye(K, dtype=q.dtype, device=q.device)
-        state = state.view(n * HV, K, V + K)
-        outputs = torch.empty(n, span, HV, V + K, dtype=q.dtype, device=q.device)
-        zeros = q.new_zeros(n * HV, CHUNK, K)
-        for c0 in range(0, span, CHUNK):
-            rows = slice(c0, c0 + CHUNK)
+    def segments(x: torch.Tensor) -> torch.Tensor:  # [L, HV, ...] -> [n, span, HV, ...], zero-padded
+        if n * span == L and x.is_contiguous():  # (a view: a million tokens in float64 are GBs)
+            return x.view(n, span, *x.shape[1:])
+        padded = x.new_zeros(n * span, *x.shape[1:])
+        padded[:L] = x
+        return padded.view(n, span, *x.shape[1:])
 
-            def batch(x: torch.Tensor) -> torch.Tensor:  # [n, C, HV, ...] -> [n HV, C, ...]
-                x = x[:, rows].transpose(1, 2)
-                return x.reshape(n * HV, *x.shape[2:])
+    qs, ks, vs, gs, bs = (segments(x) for x in (q, k, v, g, beta))
+    state = torch.zeros(n, HV, K, V + K, dtype=q.dtype, device=q.device)
+    state[..., V:] = torch.eye(K, dtype=q.dtype, device=q.device)
+    state = state.view(n * HV, K, V + K)
+    outputs = torch.empty(n, span, HV, V + K, dtype=q.dtype, device=q.device)
+    zeros = q.new_zeros(n * HV, CHUNK, K)
+    for c0 in range(0, span, CHUNK):
+        rows = slice(c0, c0 + CHUNK)
 
-            ops = prepare_chunk(batch(qs), batch(ks), batch(gs), batch(bs), scale)
-            O, state = recurrence_step(ops, torch.cat([batch(vs), zeros], -1), state)
-            outputs[:, rows] = O.view(n, HV, CHUNK, V + K).transpose(1, 2)
-        state = state.view(n, HV, K, V + K)
-        R, P = state[..., :V], state[..., V:]
-        entering = [S]
-        for j in range(n - 1):  # the chain over segment boundaries
-            entering.append(P[j] @ entering[-1] + R[j])
-        E = torch.stack(entering)  # [n, HV, K, V]
-        o = outputs[..., :V] + torch.einsum("nthk,nhkv->nthv", outputs[..., V:], E)
-        return o.reshape(n * span, HV, V)[:L], P[-1] @ E[-1] + R[-1]
+        def batch(x: torch.Tensor) -> torch.Tensor:  # [n, C, HV, ...] -> [n HV, C, ...]
+            x = x[:, rows].transpose(1, 2)
+            return x.reshape(n * HV, *x.shape[2:])
 
-    return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        ops = prepare_chunk(batch(qs), batch(ks), batch(gs), batch(bs), scale)
+        O, state = recurrence_step(ops, torch.cat([batch(vs), zeros], -1), state)
+        outputs[:, rows] = O.view(n, HV, CHUNK, V + K).transpose(1, 2)
+    state = state.view(n, HV, K, V + K)
+    R, P = state[..., :V], state[..., V:]
+    entering = [S]
+    for j in range(n - 1):  # the chain over segment boundaries
+        entering.append(P[j] @ entering[-1] + R[j])
+    E = torch.stack(entering)  # [n, HV, K, V]
+    o = outputs[..., :V] + torch.einsum("nthk,nhkv->nthv", outputs[..., V:], E)
+    return o.reshape(n * span, HV, V)[:L], P[-1] @ E[-1] + R[-1]
 
 
 # ----------------------------------------------------------------------------- chunk-16 backward
