@@ -66,7 +66,6 @@ struct PrepareShared;
 template <>
 struct PrepareShared<false> : PrepareTiles {
   __device__ float (&ki())[kChunk][kPad] { return g.G; }
-  __device__ const float (&ki() const)[kChunk][kPad] { return g.G; }
 };
 template <>
 struct PrepareShared<true> : PrepareTiles {
@@ -74,7 +73,6 @@ struct PrepareShared<true> : PrepareTiles {
   // after far_rows, 4 mod 8 bytes), where ki's float2 stores faulted as misaligned (run 72).
   alignas(16) float ki_tile[kChunk][kPad];
   __device__ float (&ki())[kChunk][kPad] { return ki_tile; }
-  __device__ const float (&ki() const)[kChunk][kPad] { return ki_tile; }
 };
 // (offsetof of a class with a base is conditionally supported; nvcc computes it and warns)
 #pragma nv_diagnostic push
