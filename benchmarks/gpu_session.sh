@@ -105,6 +105,18 @@ if [[ $step == *profile* ]]; then
       --section WarpStateStats --page source --print-source sass --csv \
       python3 benchmarks/cuda_profile.py kernels 0 > "$OUT/ncu-k1-sass.csv" 2>&1; wc -l "$OUT/ncu-k1-sass.csv"
   fi
+  if [[ $parts == *k2src* ]]; then  # K2's stall reasons and per-SASS-line hot spots, each case of K2_CASES
+    for c in ${K2_CASES:-4 0}; do
+      timeout 150 ncu --launch-skip 1 --launch-count 1 -k regex:kda_recurrence --section WarpStateStats \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/cuda_profile.py kernels $c > "$OUT/ncu-k2-case$c.log" 2>&1
+      echo "K2, case $c"; grep -E "kda_rec|Duration|Throughput|Warp Cycles|stalled|Issued|Eligible|Active Warps|Occupancy" "$OUT/ncu-k2-case$c.log" | grep -v " 0$" | head -50
+      timeout 150 ncu --launch-skip 1 --launch-count 1 -k regex:kda_recurrence --section SourceCounters \
+        --section WarpStateStats --page source --print-source sass --csv \
+        python3 benchmarks/cuda_profile.py kernels $c > "$OUT/ncu-k2-sass-case$c.csv" 2>&1; wc -l "$OUT/ncu-k2-sass-case$c.csv"
+    done
+  fi
   if [[ $parts == *widths* ]]; then
     for warps in ${WIDTHS:-2 4 8}; do
       KDA_CUDA_WARPS=$warps QUICK_NO_ACCURACY=1 timeout 60 python3 benchmarks/cuda_quick.py > "$OUT/quick-w$warps.log" 2>&1

@@ -139,6 +139,15 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t& barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(address) : "memory");
 }
 
+// An arrival on `barrier` once every cp.async this thread issued before it has landed
+// (CUTLASS's cpasync_barrier_arrive_noinc, with a "memory" clobber as above): the arrival is
+// one of those the barrier was initialised to expect, so the phase cannot complete without
+// the copies' bytes, which are then visible to the threads that waited on it.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t& barrier) {
+  const uint32_t address = cute::cast_smem_ptr_to_uint(&barrier);
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(address) : "memory");
+}
+
 // 16-byte global -> shared copy; zero-fills the destination when !valid.
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem, bool valid) {
   cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(

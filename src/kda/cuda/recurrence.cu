@@ -41,24 +41,32 @@ static_assert(Stage<1>::kSharedBytes == recurrence_shared_bytes(1) && Stage<2>::
                   Stage<4>::kSharedBytes == recurrence_shared_bytes(4),
               "the recurrence's shared memory per width differs from src/kda/abi.py");
 
-// The producer warp fills a stage with bulk (TMA) copies that complete on the stage's
-// mbarrier: the workspace block in one copy, the v slice one row per lane, valid rows only
-// (never read past the end of v). Rows past the sequence end hold stale bytes, which the
-// consumers mask out of their V fragments; the producer writes no shared memory itself.
+// The producer warp fills a stage: the workspace block in one bulk (TMA) copy, whose bytes the
+// stage's full barrier counts, and the v slice as 16-byte cp.async pieces spread over the 32
+// lanes, each lane's arrival (noinc) landing once its pieces have. Valid rows only (never read
+// past the end of v); rows past the sequence end hold stale bytes, which the consumers mask out
+// of their V fragments. One bulk copy a v row, as before 2026-12-04, kept the producer busy for
+// the whole chunk step: a bulk copy takes its operands from uniform registers, so the 16 row
+// copies issued one lane after another (ncu, 1x32768 H32: the producer warp stalled as long as
+// a consumer warp, and the consumers spent 20% of their step waiting on the full barrier).
 template <int WARPS>
 __device__ __forceinline__ void load_stage(unsigned char* stage, uint64_t& full, const unsigned char* ws,
                                            const Params& p, int64_t t0, int rows, int64_t h, int v0) {
   using S = Stage<WARPS>;
+  constexpr int kPieces = S::kVRowBytes / 16;  // 16-byte pieces of a row of the slice
   const int lane = threadIdx.x % 32;
   if (p.flags & kVZero) rows = 0;  // v is taken as zeros: nothing of it to load
+  for (int i = lane; i < kChunk * kPieces; i += 32) {
+    const int row = i / kPieces, piece = i % kPieces;
+    if (row < rows)
+      copy_async_16(stage + kWorkspaceBytes + row * S::kVRowStride + piece * 16,
+                    p.v + ((t0 + row) * p.heads + h) * kHeadDim + v0 + piece * 8, true);
+  }
+  cp_async_arrive_noinc(full);
   if (lane == 0) {
-    cute::set_barrier_transaction_bytes(full, kWorkspaceBytes + rows * S::kVRowBytes);
+    cute::set_barrier_transaction_bytes(full, kWorkspaceBytes);
     cute::SM90_BULK_COPY_G2S::copy(ws, &full, stage, kWorkspaceBytes);
   }
-  __syncwarp();  // the expected byte count is posted before any row copy can complete
-  if (lane < rows)
-    cute::SM90_BULK_COPY_G2S::copy(p.v + ((t0 + lane) * p.heads + h) * kHeadDim + v0, &full,
-                                   stage + kWorkspaceBytes + lane * S::kVRowStride, S::kVRowBytes);
 }
 
 // Fragment coordinates of lane l in an m16n8k16 accumulator tile: element e sits at row
@@ -155,7 +163,9 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
 // H96, but at four warps it spills at the 128-register cap and ran 2-8% slower; with one lane
 // releasing, racecheck reports the other 31 lanes' reads of a stage as racing with its refill
 // (it does not follow __syncwarp).
-template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4)>
+// FULL_ARRIVALS: arrivals a stage's fill makes (load_stage: the producer's 32 lanes' cp.async
+// arrivals and lane 0's expect-tx arrival).
+template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4), int FULL_ARRIVALS = 33>
 struct Pipeline {
   static constexpr bool kLaneRelease = LANE_RELEASE;
   uint64_t* full;
@@ -164,7 +174,7 @@ struct Pipeline {
   __device__ Pipeline(uint64_t* full_, uint64_t* empty_) : full(full_), empty(empty_) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
-        cute::initialize_barrier(full[s], 1);
+        cute::initialize_barrier(full[s], FULL_ARRIVALS);
         cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -186,6 +196,7 @@ struct Pipeline {
                         p.workspace + ((cs.c_first + c) * p.heads + cs.h) * kWorkspaceBytes, p, cs.bos + c * kChunk,
                         cs.rows(c), cs.h, cs.v0);
     }
+    cute::cp_async_wait<0>();  // no thread leaves with its copies in flight
   }
   __device__ void wait_full() { mbarrier_wait(full[stage], round_parity); }
   __device__ void release(const Lane& lane) {  // this lane (warp) is done with the stage
@@ -562,7 +573,7 @@ __device__ __forceinline__ void state_products(const Params& p) {
   __shared__ uint64_t full[kProductStages], empty[kProductStages];
   // every lane releases a stage (racecheck follows no __syncwarp: with one lane a warp it reported
   // the refills as racing with the other lanes' reads, H200, 2026-12-02, run 42)
-  Pipeline<kProductWarps, kProductStages, true> pipe(full, empty);
+  Pipeline<kProductWarps, kProductStages, true, 1> pipe(full, empty);
   ProductSpan span;
   if (warp == kProductWarps) {  // the producer: one bulk copy per block and per row
     int64_t loads = 0;
