@@ -18,7 +18,6 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, compile
 from triton.runtime.jit import JITFunction
 
-from kda.tables import build_tables_kernel
 from kda.triton.chunk_grad import (
     INPUT_GRAD_SLICE,
     chunk_du_grads_kernel,
@@ -29,6 +28,7 @@ from kda.triton.decode import decode_kernel
 from kda.triton.prepare import prepare_chunks_kernel
 from kda.triton.recurrence import recurrence_v_split_kernel
 from kda.triton.state_grad import state_grad_chain_kernel
+from kda.triton.tables import build_tables_kernel
 
 FP32 = ("A_log", "dt_bias", "gamma", "inverse_beta", "M", "h0", "ht", "checkpoints", "dht", "dh0", "dA_log_part",
         "ddt_bias_part", "d_operands", "d_squares", "d_gamma_in", "d_gamma_out", "d_u")  # fmt: skip

@@ -89,7 +89,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL,
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.TABLES_KERNEL,
                            *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
                            *(name for name, _ in loader.CHAIN_KERNELS.values()), loader.PRODUCTS_KERNEL[0],
                            *loader.DECODE_KERNELS.values()}  # fmt: skip
@@ -134,6 +134,12 @@ def test_the_compiler_lays_out_the_abi_as_ctypes_does(tmp_path):
                f"sizeof(kda::DecodeParams::{name}) == {getattr(loader.DecodeParams, name).size}"
                for name, _ in loader.DecodeParams._fields_]  # fmt: skip
     checks += [f"kda::kDecodeThreads == {abi.DECODE_THREADS}"]
+    checks += [f"sizeof(kda::TablesParams) == {ctypes.sizeof(loader.TablesParams)}"]
+    checks += [f"offsetof(kda::TablesParams, {name}) == {getattr(loader.TablesParams, name).offset} && "
+               f"sizeof(kda::TablesParams::{name}) == {getattr(loader.TablesParams, name).size}"
+               for name, _ in loader.TablesParams._fields_]  # fmt: skip
+    checks += [f"kda::kTablesThreads == {abi.TABLES_THREADS}", f"kda::kTablesSlots == {abi.TABLES_SLOTS}",
+               f"kda::kTablesSeqs == {abi.TABLES_SEQS}", f"kda::kOrderMax == {abi.ORDER_MAX}"]  # fmt: skip
     checks += [f"kda::{abi.c_flag_name(name)} == {bit}" for name, bit in loader.FLAGS.items()]
     checks += [f"kda::WorkspaceLayout::{name} == {offset}" for name, (offset, _, _) in loader.WORKSPACE_FIELDS.items()]
     checks += [f"kda::kWorkspaceBytes == {loader.WORKSPACE_BYTES}", f"kda::kStages == {loader.STAGES}",

@@ -4,13 +4,14 @@ rather than what the kernels do with it (tests/test_cuda.py, on a Hopper GPU).""
 
 import ctypes
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kda
 from helpers import make_case
-from kda import dispatch
+from kda import abi, dispatch, tables
 from kda.api import checked_problem
 from kda.cuda import forward, loader
 from kda.tables import chunk_tables
@@ -121,7 +122,7 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     built = []  # varlen tables are built per call: keep the ones the launch was given
-    monkeypatch.setattr(forward, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
+    monkeypatch.setattr(forward, "chunk_tables", lambda p, *args: built.append(chunk_tables(p, *args)) or built[-1])
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     case.initial_state = case.initial_state.to(state_dtype)
     kw = case.kwargs(state_v_first=True, final_state_dtype=state_dtype)
@@ -227,6 +228,82 @@ def test_shared_runs_refuse_calls_that_differ_in_what_k1_reads():
         over = kw | ({"scale": other} if name == "scale" else {})
         with pytest.raises(ValueError, match="may differ in v and initial_state only"):
             forward.chunk_forward_runs([first, checked_problem(kda.chunk_kda, **args, **over)])
+
+
+class CudaTensorStandIn:
+    """What build_tables asks of ``q``, answered as by a tensor on GPU 0 while its tables are
+    allocated on the CPU: the CUDA builder's launch is then requested (from the fake driver)."""
+
+    device = torch.device("cpu")
+    is_cuda, is_cpu = True, False
+
+    def get_device(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "cu, B, T, order_max, flags",
+    [([0, 20, 25, 25, 40000], 1, 40000, None, ("varlen", "rank_by_length")),
+     ([0, 20, 25, 25, 40000], 1, 40000, 3, ("varlen",)),  # past ORDER_MAX: no ranking
+     (torch.tensor([0, 3, 40000], dtype=torch.int32), 1, 40000, None, ("varlen", "rank_by_length", "cu_seqlens_int32")),
+     (None, 65, 40, None, ())],
+)  # fmt: skip
+def test_cuda_tables_are_built_by_one_launch_of_kda_build_tables(load_kernels, monkeypatch, cu, B, T, order_max, flags):
+    """Given the CUDA path's kernels and a GPU's tensors, chunk_tables launches kda_build_tables
+    on the given stream: its TablesParams block field by field (the tables' own addresses, the
+    shapes, the flags), one CTA for the offsets, then the slot and sequence blocks; batched
+    tables are still kept per stream (no second launch)."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch, block=loader.TablesParams)
+    monkeypatch.setattr(tables, "_BATCHED", {})
+    if order_max is not None:
+        monkeypatch.setattr(tables, "ORDER_MAX", order_max)
+    cu = torch.tensor(cu) if isinstance(cu, list) else cu
+    N = B if cu is None else cu.numel() - 1
+    p = SimpleNamespace(cu_seqlens=cu, N=N, B=B, T=T, H=3, K=128, q=CudaTensorStandIn())
+    t = chunk_tables(p, False, kernels, 0x5000)
+    if cu is None:  # kept for the stream: no second launch
+        assert chunk_tables(p, False, kernels, 0x5000) is t
+
+    ((args, block),) = libcuda.calls
+    slots = tables.chunk_slots(B, T, N, cu is not None)
+    grid = 1 + -(-slots // abi.TABLES_SLOTS) + -(-N // abi.TABLES_SEQS)
+    assert grid == abi.tables_grid(slots, N) and grid > 3  # several slot or sequence blocks
+    handle = int(kernels.kernels[abi.TABLES_KERNEL])
+    argument_array = ctypes.addressof(kernels.tables_argument_array)
+    assert args == (handle, grid, 1, 1, abi.TABLES_THREADS, 1, 1, 0, 0x5000, argument_array, None)
+    assert {name: getattr(block, name) for name, _ in loader.TablesParams._fields_} == dict(
+        cu_seqlens=0 if cu is None else cu.data_ptr(), seq_offsets=t.seq_offsets.data_ptr(),
+        chunk_offsets=t.chunk_offsets.data_ptr(), chunk_seq=t.chunk_seq.data_ptr(), seq_order=t.seq_order.data_ptr(),
+        checkpoint_offsets=t.checkpoint_offsets.data_ptr(), num_chunks=slots, num_seqs=N, tokens=T,
+        tokens_each=0 if cu is not None else T, heads=3, flags=sum(loader.FLAGS[name] for name in flags),
+    )  # fmt: skip
+    assert t.num_chunks == slots and t.seq_order.numel() == N * 3
+
+
+def test_the_cuda_path_hands_its_kernels_to_the_tables(load_kernels, monkeypatch):
+    """The CUDA forward (and its runs) and the training chain give chunk_tables the loaded
+    kernels and the current stream, so a GPU's tables come from kda_build_tables (above)."""
+    from kda.cuda import training
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    asked = []
+
+    def spy(p, capturing=None, kernels=None, stream=None):
+        asked.append((kernels, stream))
+        return chunk_tables(p, capturing, kernels, stream)
+
+    monkeypatch.setattr(forward, "chunk_tables", spy)
+    monkeypatch.setattr(training, "chunk_tables", spy)
+    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    forward.chunk_forward(p)
+    forward.chunk_forward_runs([p, p])
+    o, ht = forward._outputs(p)
+    forward.run_stages(p, o, ht, torch.empty(forward.workspace_bytes(p), dtype=torch.uint8))
+    training.state_grad_chain(p, torch.zeros(p.v.shape, dtype=torch.bfloat16), None, None,
+                              torch.empty(3, 2, 128, 128, dtype=torch.bfloat16))  # fmt: skip
+    assert asked == [(kernels, 0x5000)] * 4
 
 
 def test_a_thread_without_a_current_context_gets_the_primary_one(load_kernels, monkeypatch):
@@ -376,7 +453,7 @@ def test_state_grad_chain_fills_the_params_block_as_the_chain_reads_it(load_kern
 
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     built = []
-    monkeypatch.setattr(training, "chunk_tables", lambda p, capturing=None: built.append(chunk_tables(p)) or built[-1])
+    monkeypatch.setattr(training, "chunk_tables", lambda p, *args: built.append(chunk_tables(p, *args)) or built[-1])
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(state_v_first=True))
     do = torch.randn(p.v.shape).to(torch.bfloat16)

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 import kda
 from helpers import AUTO, DEVICE, cuda_ready, make_case
-from kda import tables, validation
+from kda import abi, tables, validation
 from kda.api import checked_problem
-from kda.tables import BLOCK, CHECKPOINT_CHUNKS, CHUNK, build_tables, chunk_slots, chunk_tables
+from kda.tables import CHECKPOINT_CHUNKS, CHUNK, build_tables, chunk_slots, chunk_tables
+from kda.triton.tables import BLOCK
 
 
 def model(lengths: list[int], H: int) -> dict[str, list[int]]:
@@ -130,6 +131,76 @@ def test_host_tables_equal_the_kernels(cu, B, T, monkeypatch):
     got = build_tables(host)
     for name in ("seq_offsets", "chunk_offsets", "chunk_seq", "seq_order", "checkpoint_offsets"):
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+TABLES = ("seq_offsets", "chunk_offsets", "chunk_seq", "seq_order", "checkpoint_offsets")
+
+
+def assert_builders_agree(cu: list[int] | None, B: int, T: int, H: int, dtype=torch.int64) -> None:
+    """The CUDA path's kda_build_tables (prepare.cu), the Triton kernel and the host's torch ops
+    write the same tables, bit for bit; the CUDA kernel writes every entry (a second build into
+    poisoned tables)."""
+    from kda.cuda import loader
+
+    assert not tables._interpreting()
+    cu_dev = None if cu is None else torch.tensor(cu, dtype=dtype, device="cuda")
+    p = problem(cu_dev, B, T, H)
+    kernels = loader.kernels()
+    stream = torch.cuda.current_stream().cuda_stream
+    cuda = build_tables(p, kernels, stream)
+    for name in TABLES:
+        getattr(cuda, name).fill_(-7)
+    tables._launch_cuda_builder(p, cuda, cu is not None and p.N <= tables.ORDER_MAX, kernels, stream)
+    triton = build_tables(p)
+    host = problem(None if cu is None else torch.tensor(cu, dtype=dtype), B, T, H)
+    host.q = torch.empty(1)
+    host = build_tables(host)
+    assert cuda.num_chunks == triton.num_chunks == host.num_chunks
+    for name in TABLES:
+        got = getattr(cuda, name).cpu()
+        assert torch.equal(got, getattr(triton, name).cpu()), (name, "triton")
+        assert torch.equal(got, getattr(host, name)), (name, "host")
+
+
+@st.composite
+def cu_seqlens_layouts(draw) -> tuple[list[int], int]:
+    """``(cu_seqlens, T)``: packed lengths (empty, one-token, partial and whole chunks; enough
+    chunks to cross the CUDA builder's slot blocks of abi.TABLES_SLOTS), or any offsets at all
+    (decreasing, negative, past T)."""
+    if draw(st.booleans()):
+        lengths = draw(st.lists(st.sampled_from([0, 1, 15, 16, 17, 33, 257, 4000]), min_size=1, max_size=140))
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        return cu, cu[-1]
+    T = draw(st.integers(0, 300))
+    return draw(st.lists(st.integers(-40, 2 * T + 40), min_size=2, max_size=140)), T
+
+
+@pytest.mark.gpu
+@cuda_ready
+@given(case=cu_seqlens_layouts(), H=st.sampled_from([1, 3]), int32=st.booleans())
+def test_gpu_cuda_builder_equals_the_triton_and_host_tables(case, H, int32):
+    cu, T = case
+    assert_builders_agree(cu, 1, T, H, torch.int32 if int32 else torch.int64)
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("N", [2047, 2049, abi.ORDER_MAX, abi.ORDER_MAX + 1, 2 * 2048 + 5])
+def test_gpu_cuda_builder_across_its_tiles_and_the_order_limit(N):
+    """Sequence counts across the CUDA builder's tiles of 2048 (its walks carry offsets and chunk
+    counts from tile to tile) and at ORDER_MAX, past which both builders leave the order as given."""
+    gen = torch.Generator().manual_seed(N)
+    lengths = torch.randint(0, 40, (N,), generator=gen)
+    lengths[torch.randint(0, N, (N // 4,), generator=gen)] = 0
+    cu = [0, *lengths.cumsum(0).tolist()]
+    assert_builders_agree(cu, 1, cu[-1], 2)
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 17), (2, 0), (5, 64), (70, 5), (2, 40000)])
+def test_gpu_cuda_builder_batched(B, T):
+    assert_builders_agree(None, B, T, 2)
 
 
 def test_batched_tables_are_kept_varlen_ones_built_per_call():

@@ -50,13 +50,17 @@ FLAG_NAMES = (
     "beta_float32",  # beta is float32 (else bfloat16)
     "h0_bfloat16",  # the initial state is bfloat16 (else float32); carried in float32
     "ht_bfloat16",  # the final state is stored in bfloat16 (else float32)
-    # the decode kernel's (DecodeParams) only:
+    # the decode kernel's (DecodeParams) and the tables builder's (TablesParams):
     "varlen",  # sequences are cu_seqlens spans (else B sequences of `tokens` tokens each)
+    # the decode kernel's only:
     "indices_int64",  # slot indices are int64 (else int32)
     "accepted_int64",  # num_accepted_tokens is int64 (else int32)
     # the chunk kernels' (Params) only:
     "store_checkpoints",  # K2 writes the training forward's checkpoints (CHECKPOINT_CHUNKS)
     "v_zero",  # K2 takes v as zeros and reads none of it (the segment split's P run, kda.transitions)
+    # the tables builder's (TablesParams) only:
+    "rank_by_length",  # seq_order longest sequence first (else in order); only up to ORDER_MAX sequences
+    "cu_seqlens_int32",  # cu_seqlens is int32 (else int64)
 )
 FLAGS = {name: 1 << bit for bit, name in enumerate(FLAG_NAMES)}
 
@@ -117,6 +121,40 @@ DECODE_PARAMS = (
     ("lower_bound", "double", "f64"),
     ("beta_scale", "double", "f64"),
 )
+
+# kda::TablesParams, the block of the CUDA path's chunk-tables builder (prepare.cu
+# kda_build_tables; kda.tables says what each table holds). A CTA's role follows from its
+# index: CTA 0 writes the offsets tables, the next ones chunk_seq for TABLES_SLOTS slots each,
+# the last ones seq_order for TABLES_SEQS sequences each (tables_grid).
+TABLES_PARAMS = (
+    ("cu_seqlens", "const void*", "ptr"),  # [N + 1] int64, or int32 (cu_seqlens_int32); null when batched
+    ("seq_offsets", "int64_t*", "ptr"),  # [N + 1]
+    ("chunk_offsets", "int64_t*", "ptr"),  # [N + 1]
+    ("chunk_seq", "int64_t*", "ptr"),  # [num_chunks]
+    ("seq_order", "int64_t*", "ptr"),  # [N * H]
+    ("checkpoint_offsets", "int64_t*", "ptr"),  # [N + 1]
+    ("num_chunks", "int64_t", "i64"),  # chunk slots (kda.tables.chunk_slots)
+    ("num_seqs", "int64_t", "i64"),
+    ("tokens", "int64_t", "i64"),  # T: offsets are clamped into [0, T]
+    ("tokens_each", "int64_t", "i64"),  # tokens of each sequence when batched (unused when varlen)
+    ("heads", "int64_t", "i64"),
+    ("flags", "int64_t", "i64"),  # varlen, rank_by_length, cu_seqlens_int32
+)
+TABLES_KERNEL = "kda_build_tables"
+TABLES_THREADS = 256
+TABLES_SLOTS = 2048  # chunk slots a CTA of the builder owns
+TABLES_SEQS = 64  # sequences a CTA of the builder orders
+# The longest-first order of the CUDA recurrence's schedule is ranked for up to this many
+# sequences (the ranking is quadratic; the builder holds their lengths in shared memory); more
+# sequences fill the GPU whatever their order, so beyond it they are taken as they come.
+ORDER_MAX = 4096
+
+
+def tables_grid(num_chunks: int, num_seqs: int) -> int:
+    """CTAs of kda_build_tables: one for the offsets tables, then the slot and sequence blocks."""
+    return 1 + -(-num_chunks // TABLES_SLOTS) + -(-num_seqs // TABLES_SEQS)
+
+
 DECODE_THREADS = 128  # threads of a decode CTA (one per K index in the token prologue)
 # V columns of a decode CTA (one entry point each and state dtype): the state slice [128, BV]
 # it stages in shared memory, BV x 128 x (4 or 2) bytes (128: the whole head).
@@ -244,6 +282,12 @@ def header() -> str:
         "",
         *_block_struct("DecodeParams", DECODE_PARAMS),
         f"constexpr int kDecodeThreads = {DECODE_THREADS};",
+        "",
+        *_block_struct("TablesParams", TABLES_PARAMS),
+        f"constexpr int kTablesThreads = {TABLES_THREADS};",
+        f"constexpr int kTablesSlots = {TABLES_SLOTS};",
+        f"constexpr int kTablesSeqs = {TABLES_SEQS};",
+        f"constexpr int kOrderMax = {ORDER_MAX};",
         "",
         "struct WorkspaceLayout {",
         *(f"  static constexpr int {name} = {offset};" for name, (offset, _, _) in WORKSPACE_FIELDS.items()),

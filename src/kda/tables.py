@@ -3,6 +3,13 @@ device, from ``cu_seqlens`` as it is there, by one kernel launch: no host copy o
 lengths, no host synchronisation, nothing shared between threads, and a CUDA-graph capture
 records the build, so a replay with new lengths in ``cu_seqlens`` gets their tables.
 
+The CUDA path builds them with its own kernel (prepare.cu ``kda_build_tables``), launched
+through kda.cuda.loader like its other kernels: on the H200 (2026-12-04, benchmarks/host_parts.py)
+the Triton launch took 59 us of host time of a tiny call's 150, a direct cuda-python launch about
+6. The Triton backend, and any caller without the CUDA kernels, launch ``build_tables_kernel``
+(kda/triton/tables.py, imported at its first launch, so the CUDA path does not import Triton
+for its tables). Both write the same tables, bit for bit.
+
 The launch grid cannot wait for the lengths, so the tables have room for the most chunks
 the shapes allow (:func:`chunk_slots`); slots past the call's real chunks belong to no
 tokens, and the kernels that walk chunk slots skip them. Offsets are clamped into
@@ -13,24 +20,23 @@ tokens, and the kernels that walk chunk slots skip them. Offsets are clamped int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
-import triton
-import triton.language as tl
 
 from kda import abi
-from kda.intmath import cdiv, next_power_of_2
+from kda.intmath import next_power_of_2
 
 CHUNK = abi.CHUNK  # tokens per chunk
-_ROWS = tl.constexpr(CHUNK)  # the same, as the kernels may read it
 DOT_MIN = 16  # tl.dot's smallest M, N and K: a block that feeds a dot is at least this wide
 CHECKPOINT_CHUNKS = abi.CHECKPOINT_CHUNKS  # chunks between the training forward's saved states
-# Sequences and chunk slots per program of the builder (its matrices are BLOCK x BLOCK).
-BLOCK = 64
 # The longest-first order of the CUDA recurrence's schedule is ranked for up to this many
-# sequences (the ranking is quadratic); more sequences fill the GPU whatever their order, so
-# beyond it they are taken as they come.
-ORDER_MAX = 4096
+# sequences (abi.ORDER_MAX says why); past it, both builders take them as they come.
+ORDER_MAX = abi.ORDER_MAX
+# The CUDA builder's flag bits (TablesParams::flags)
+FLAG_VARLEN = abi.FLAGS["varlen"]
+FLAG_RANK_BY_LENGTH = abi.FLAGS["rank_by_length"]
+FLAG_CU_SEQLENS_INT32 = abi.FLAGS["cu_seqlens_int32"]
 # Batched layouts depend on the shapes alone: their tables are kept, for this many (shape,
 # stream) pairs (then built per call). Never evicted, so no kernel still queued can see them
 # freed; kept per stream, so no call on another stream can read them before their build ran.
@@ -84,124 +90,26 @@ class ChunkTables:
         )
 
 
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sequences(cu_seqlens, n0, N, T, T_EACH, carry, VARLEN: tl.constexpr, BLOCK: tl.constexpr):
-    """Sequences ``n0 .. n0 + BLOCK``: ``(n, start, end, chunks)``, start and end clamped into
-    [0, T] and non-decreasing (``carry``: the largest offset before n0; valid offsets pass
-    unchanged), chunks 0 past N."""
-    n = n0 + tl.arange(0, BLOCK)
-    if VARLEN:
-        x = tl.load(cu_seqlens + n, mask=n <= N, other=T)
-        x = tl.minimum(tl.maximum(x, 0), T)
-        start = tl.maximum(tl.associative_scan(x, 0, _maximum), carry)
-        y = tl.load(cu_seqlens + n + 1, mask=n < N, other=T)
-        end = tl.maximum(tl.minimum(tl.maximum(y, 0), T), start)
-    else:  # B sequences of T_EACH tokens
-        start = tl.minimum(n, N).to(tl.int64) * T_EACH
-        end = tl.minimum(n + 1, N).to(tl.int64) * T_EACH
-    chunks = tl.where(n < N, (end - start + _ROWS - 1) // _ROWS, 0)
-    return n, start, end, chunks
-
-
-@triton.jit
-def build_tables_kernel(
-    cu_seqlens, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets,
-    N, T, T_EACH, H, SLOTS,
-    VARLEN: tl.constexpr, RANK: tl.constexpr, CHECKPOINT: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Program 0: the offsets tables. The next ``cdiv(SLOTS, BLOCK)``: ``chunk_seq``, a block of
-    slots each. The last ``cdiv(N, BLOCK)``: ``seq_order``, a block of sequences each (ranked by
-    length with ``RANK``, else in order)."""
-    pid = tl.program_id(0)
-    slot_programs = tl.cdiv(SLOTS, BLOCK)
-    zero = tl.zeros([], dtype=tl.int64)
-    if pid == 0:
-        carry, chunk_carry, checkpoint_carry = zero, zero, zero
-        tl.store(chunk_offsets, zero)
-        tl.store(checkpoint_offsets, zero)
-        for n0 in range(0, N, BLOCK):
-            n, start, end, chunks = _sequences(cu_seqlens, n0, N, T, T_EACH, carry, VARLEN, BLOCK)
-            ok = n < N
-            tl.store(seq_offsets + n, start, mask=ok)
-            tl.store(seq_offsets + n + 1, end, mask=ok)
-            tl.store(chunk_offsets + n + 1, chunk_carry + tl.cumsum(chunks, 0), mask=ok)
-            checkpoints = (chunks + CHECKPOINT - 1) // CHECKPOINT
-            tl.store(checkpoint_offsets + n + 1, checkpoint_carry + tl.cumsum(checkpoints, 0), mask=ok)
-            carry = tl.max(tl.where(ok, end, 0), 0)
-            chunk_carry += tl.sum(chunks, 0)
-            checkpoint_carry += tl.sum(checkpoints, 0)
-    elif pid <= slot_programs:
-        c = (pid - 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if VARLEN:
-            # The sequence of slot c is the number of sequences whose chunks end at or before
-            # it; sequence blocks past this block of slots are never read.
-            first = (pid - 1).to(tl.int64) * BLOCK
-            last = first + BLOCK - 1
-            before = tl.zeros([BLOCK], dtype=tl.int64)
-            carry, chunk_carry, n0 = zero, zero, 0
-            while (n0 < N) & (chunk_carry <= last):
-                n, start, end, chunks = _sequences(cu_seqlens, n0, N, T, T_EACH, carry, VARLEN, BLOCK)
-                ends = chunk_carry + tl.cumsum(chunks, 0)
-                if tl.max(tl.where(n < N, ends, 0), 0) <= first:  # the whole block ends before these slots
-                    before += tl.sum((n < N).to(tl.int64), 0)
-                else:
-                    done = (ends[None, :] <= c[:, None]) & (n < N)[None, :]
-                    before += tl.sum(done.to(tl.int64), 1)
-                carry = tl.max(tl.where(n < N, end, 0), 0)
-                chunk_carry += tl.sum(chunks, 0)
-                n0 += BLOCK
-            owner = before
-        else:
-            owner = c // tl.maximum((T_EACH + _ROWS - 1) // _ROWS, 1)
-        tl.store(chunk_seq + c, tl.minimum(owner, N - 1), mask=c < SLOTS)
-    else:
-        m0 = (pid - 1 - slot_programs) * BLOCK
-        if RANK:
-            # The rank of sequence n: the longer sequences, and the equally long ones before it
-            # (a stable sort, longest first).
-            carry = zero
-            for b0 in range(0, m0, BLOCK):
-                _, _, end, _ = _sequences(cu_seqlens, b0, N, T, T_EACH, carry, VARLEN, BLOCK)
-                carry = tl.max(tl.where(b0 + tl.arange(0, BLOCK) < N, end, 0), 0)
-            m, start, end, _ = _sequences(cu_seqlens, m0, N, T, T_EACH, carry, VARLEN, BLOCK)
-            length = end - start
-            rank = tl.zeros([BLOCK], dtype=tl.int64)
-            carry = zero
-            for b0 in range(0, N, BLOCK):
-                b, b_start, b_end, _ = _sequences(cu_seqlens, b0, N, T, T_EACH, carry, VARLEN, BLOCK)
-                other = (b_end - b_start)[None, :]
-                ahead = (other > length[:, None]) | ((other == length[:, None]) & (b[None, :] < m[:, None]))
-                rank += tl.sum((ahead & (b < N)[None, :]).to(tl.int64), 1)
-                carry = tl.max(tl.where(b < N, b_end, 0), 0)
-        else:
-            m = m0 + tl.arange(0, BLOCK)
-            rank = m.to(tl.int64)
-        for h in range(0, H):
-            tl.store(seq_order + rank * H + h, m.to(tl.int64) * H + h, mask=m < N)
-
-
 _BATCHED: dict[tuple, ChunkTables] = {}
 
 
-def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
+def chunk_tables(p, capturing: bool | None = None, kernels=None, stream: int | None = None) -> ChunkTables:
     """The tables of ``p`` (a checked Problem), built on its device by one launch on the current
     stream; batched layouts are kept per stream (:data:`BATCHED_CACHED`). ``capturing``: whether
     the current stream is being captured, if the caller knows (tables built in a capture live
-    in its graph's pool, so they are not kept)."""
+    in its graph's pool, so they are not kept). ``kernels`` and ``stream``: the CUDA path's
+    loaded kernels (kda.cuda.loader.Kernels) and the current stream's raw handle, with which
+    :func:`build_tables` launches the CUDA builder."""
     varlen = p.cu_seqlens is not None
     key = None
     if not varlen:
-        stream = torch.cuda.current_stream(p.q.device).cuda_stream if p.q.is_cuda else 0
+        if stream is None:
+            stream = torch.cuda.current_stream(p.q.device).cuda_stream if p.q.is_cuda else 0
         key = (p.q.device, stream, p.B, p.T, p.H, p.K)
         tables = _BATCHED.get(key)
         if tables is not None:
             return tables
-    tables = build_tables(p)
+    tables = build_tables(p, kernels, stream)
     if key is not None and len(_BATCHED) < BATCHED_CACHED:
         if capturing is None:
             capturing = p.q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -210,35 +118,66 @@ def chunk_tables(p, capturing: bool | None = None) -> ChunkTables:
     return tables
 
 
-def build_tables(p) -> ChunkTables:
-    """Launch :func:`build_tables_kernel` for ``p`` into one int64 tensor (on the CPU outside
-    the interpreter, where no kernel can run: the same tables by torch, :func:`_host_tables`)."""
+def build_tables(p, kernels=None, stream: int | None = None) -> ChunkTables:
+    """The tables of ``p`` in one int64 tensor, by one launch: of prepare.cu's
+    ``kda_build_tables`` on ``stream`` where ``kernels`` (kda.cuda.loader.Kernels) are given and
+    the tensors are on a GPU; else of the Triton kernel (kda/triton/tables.py) on the current
+    stream; on the CPU outside the interpreter, where no kernel can run, the same tables by
+    torch (:func:`_host_tables`)."""
     varlen = p.cu_seqlens is not None
     N = p.N
     slots = chunk_slots(p.B, p.T, N, varlen)
     packed = torch.empty(3 * (N + 1) + slots + N * p.H, dtype=torch.int64, device=p.q.device)
     seq_offsets, chunk_offsets, checkpoint_offsets = packed[: 3 * (N + 1)].view(3, N + 1).unbind()
-    chunk_seq = packed[3 * (N + 1) : 3 * (N + 1) + slots]
-    seq_order = packed[3 * (N + 1) + slots :]
-    if N and p.q.is_cpu and not _interpreting():
-        _host_tables(p, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets)
-    elif N:
-        build_tables_kernel[(1 + cdiv(slots, BLOCK) + cdiv(N, BLOCK),)](
-            p.cu_seqlens if varlen else packed, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets,
-            N, p.T, 0 if varlen else p.T, p.H, slots,
-            VARLEN=varlen, RANK=varlen and N <= ORDER_MAX, CHECKPOINT=CHECKPOINT_CHUNKS, BLOCK=BLOCK,
-        )  # fmt: skip
-    else:
-        packed[: 3 * (N + 1)].zero_()
-    return ChunkTables(
+    tables = ChunkTables(
         seq_offsets=seq_offsets,
         chunk_offsets=chunk_offsets,
-        chunk_seq=chunk_seq,
-        seq_order=seq_order,
+        chunk_seq=packed[3 * (N + 1) : 3 * (N + 1) + slots],
+        seq_order=packed[3 * (N + 1) + slots :],
         checkpoint_offsets=checkpoint_offsets,
         num_chunks=slots,
         BK=max(next_power_of_2(p.K), DOT_MIN),
     )
+    rank = varlen and N <= ORDER_MAX
+    if not N:
+        packed[: 3 * (N + 1)].zero_()
+    elif kernels is not None and p.q.is_cuda:
+        _launch_cuda_builder(p, tables, rank, kernels, stream)
+    elif p.q.is_cpu and not _interpreting():
+        _host_tables(p, tables)
+    else:
+        _triton_builder()(p, tables, rank)
+    return tables
+
+
+def _launch_cuda_builder(p, tables: ChunkTables, rank: bool, kernels, stream: int) -> None:
+    """Fill the loader's TablesParams block for ``p`` and launch ``kda_build_tables`` on
+    ``stream``: one CTA for the offsets tables, then the slot and sequence blocks (abi.tables_grid)."""
+    cu = p.cu_seqlens
+    flags = 0
+    if cu is not None:
+        flags = FLAG_VARLEN | (FLAG_RANK_BY_LENGTH if rank else 0)
+        if cu.dtype == torch.int32:
+            flags |= FLAG_CU_SEQLENS_INT32
+    N, slots = p.N, tables.num_chunks
+    params = (  # loader.TablesParams, field by field
+        0 if cu is None else cu.data_ptr(), *tables.addresses, tables.checkpoint_offsets.data_ptr(),
+        slots, N, p.T, 0 if cu is not None else p.T, p.H, flags,
+    )  # fmt: skip
+    device_index = p.q.get_device()
+    with kernels.lock:
+        kernels.bind_context(device_index)
+        kernels.set_tables_params(params)
+        kernels.launch(abi.TABLES_KERNEL, (abi.tables_grid(slots, N), 1), abi.TABLES_THREADS, 0, stream, "tables")
+
+
+@cache
+def _triton_builder():
+    """kda.triton.tables.launch_build_tables, imported once, at its first launch (kda.tables
+    itself imports no Triton)."""
+    from kda.triton.tables import launch_build_tables
+
+    return launch_build_tables
 
 
 def _interpreting() -> bool:
@@ -247,10 +186,12 @@ def _interpreting() -> bool:
     return interpreting()
 
 
-def _host_tables(p, seq_offsets, chunk_offsets, chunk_seq, seq_order, checkpoint_offsets) -> None:
-    """:func:`build_tables_kernel`'s tables by torch ops, for CPU tensors outside the
-    interpreter (tests that fake the CUDA launch on the CPU)."""
+def _host_tables(p, tables: ChunkTables) -> None:
+    """The builders' tables by torch ops, for CPU tensors outside the interpreter (tests that
+    fake the CUDA launch on the CPU)."""
     N = p.N
+    seq_offsets, chunk_offsets, checkpoint_offsets = tables.seq_offsets, tables.chunk_offsets, tables.checkpoint_offsets
+    chunk_seq, seq_order = tables.chunk_seq, tables.seq_order
     if p.cu_seqlens is None:
         offsets = torch.arange(N + 1, dtype=torch.int64) * p.T
     else:

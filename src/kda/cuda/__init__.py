@@ -199,8 +199,8 @@ def _decode():
 
 @cache
 def _chunk_forward():
-    """kda.cuda.forward, imported at the first run (it imports Triton for the chunk tables),
-    once: an import statement in run would cost a microsecond per call even when cached."""
+    """kda.cuda.forward, imported at the first run, once: an import statement in run would cost
+    a microsecond per call even when cached."""
     from kda.cuda.forward import chunk_forward
 
     return chunk_forward

@@ -142,6 +142,6 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_decode_params(params)
-        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, decode=True)
+        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, "decode")
     note("cuda:pooled_decode" if p.pool is not None else "cuda:decode")
     return o, ht

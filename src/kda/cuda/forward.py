@@ -10,7 +10,7 @@ import kda.cuda as switches
 from kda import abi
 from kda.cuda import loader
 from kda.dispatch import note, on_device
-from kda.tables import chunk_tables
+from kda.tables import chunk_slots, chunk_tables
 from kda.validation import Problem
 
 
@@ -37,8 +37,10 @@ def sm_count(device_index: int) -> int:
 
 
 def workspace_bytes(p: Problem, tables=None) -> int:
-    """Bytes of K1's workspace for ``p`` (``tables``: its chunk tables, if already at hand)."""
-    return max((tables or chunk_tables(p)).num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
+    """Bytes of K1's workspace for ``p`` (``tables``: its chunk tables, if already at hand; the
+    slot count comes from the shapes alone either way)."""
+    num_chunks = tables.num_chunks if tables is not None else chunk_slots(p.B, p.T, p.N, p.cu_seqlens is not None)
+    return max(num_chunks, 1) * p.H * loader.WORKSPACE_BYTES
 
 
 # Workspaces up to this size are kept, one per (device, stream), and reused by the next call
@@ -120,7 +122,7 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     o, ht = _outputs(p)
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return o, ht
-    tables, workspace = _tables_and_workspace(p, device_index, stream, capturing)
+    tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
     _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
     return o, ht
 
@@ -148,7 +150,7 @@ def chunk_forward_runs(
     # A workspace of this call's own, never the stream's kept one: the runs' launches are not one
     # critical section of the loader's lock, and another thread's call on the same stream could
     # refill a kept workspace between them.
-    tables, workspace = _tables_and_workspace(first, device_index, stream, capturing, keep=False)
+    tables, workspace = _tables_and_workspace(first, kernels, device_index, stream, capturing, keep=False)
     for i, (p, (o, ht)) in enumerate(zip(problems, results)):
         bits = FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0
         _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=bits)
@@ -182,11 +184,11 @@ def _outputs(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, ht
 
 
-def _tables_and_workspace(p: Problem, device_index: int, stream: int, capturing: bool, keep: bool = True):
-    """``p``'s chunk tables and a K1 workspace for them: the stream's kept one when small enough,
-    not capturing and ``keep``, else a fresh one."""
-    with on_device(device_index):  # the tables' (Triton) launch goes to the current device's stream
-        tables = chunk_tables(p, capturing)
+def _tables_and_workspace(p: Problem, kernels, device_index: int, stream: int, capturing: bool, keep: bool = True):
+    """``p``'s chunk tables (built by ``kernels``' own builder on ``stream``) and a K1 workspace
+    for them: the stream's kept one when small enough, not capturing and ``keep``, else a fresh one."""
+    with on_device(device_index):  # the launch goes to the current device's context
+        tables = chunk_tables(p, capturing, kernels, stream)
     nbytes = workspace_bytes(p, tables)
     if keep and nbytes <= SHARED_WORKSPACE_BYTES and not capturing:
         workspace = stream_workspace(p.q, stream, nbytes)
@@ -204,7 +206,7 @@ def run_stages(
     kernels, device_index, stream, capturing = _launch_context(p)
     if p.N * p.H:
         with on_device(device_index):
-            tables = chunk_tables(p, capturing)
+            tables = chunk_tables(p, capturing, kernels, stream)
         _launch(p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare)
     return o, ht
 

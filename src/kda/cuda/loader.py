@@ -5,10 +5,11 @@ The build (``CMakeLists.txt``) leaves ``prepare.fatbin``, ``recurrence.fatbin`` 
 libraries (``cuLibraryLoadData``), so one load serves every GPU, and launched with
 ``cuLaunchKernel`` on torch's current stream: libcuda's own entry point called through ctypes,
 or cuda-bindings' wrapper where ``libcuda.so.1`` cannot be opened by name. The chunk kernels
-take one by-value :class:`Params` block, the decode kernels a :class:`DecodeParams` block; its
-bytes live in a ctypes structure filled in place with one ``struct.pack_into``, and the launch
-passes the address of a prebuilt one-entry pointer array, so no per-call argument packing
-happens in Python.
+take one by-value :class:`Params` block, the decode kernels a :class:`DecodeParams` block and
+the chunk tables' builder (kda.tables) a :class:`TablesParams` block; its bytes live in a
+ctypes structure filled in place with one ``struct.pack_into``, and the launch passes the
+address of a prebuilt one-entry pointer array, so no per-call argument packing happens in
+Python.
 """
 
 from __future__ import annotations
@@ -57,8 +58,15 @@ def _packing(block: type[ctypes.Structure]) -> struct.Struct:
     return layout
 
 
+class TablesParams(ctypes.Structure):
+    """``kda::TablesParams`` (abi.TABLES_PARAMS): 8-byte fields, in order."""
+
+    _fields_ = [(name, _CTYPES[kind]) for name, _, kind in abi.TABLES_PARAMS]
+
+
 PARAMS_LAYOUT = _packing(Params)
 DECODE_PARAMS_LAYOUT = _packing(DecodeParams)
+TABLES_PARAMS_LAYOUT = _packing(TablesParams)
 # Every decode entry point: (state dtype, V first, columns) -> name (decode.cu)
 DECODE_KERNELS = {
     (dtype, v_first, columns): abi.decode_kernel_name(dtype, v_first, columns)
@@ -172,7 +180,7 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL),
+            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.TABLES_KERNEL),
             "recurrence.fatbin": tuple(
                 name for name, _ in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL)
             ),
@@ -188,14 +196,25 @@ class Kernels:
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self.decode_params = DecodeParams()
         self.decode_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.decode_params))
+        self.tables_params = TablesParams()
+        self.tables_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.tables_params))
         self.configured_devices: set[int] = set()
         self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
         self.direct_launch = driver_launch()
         # The direct launch's pointer arguments that never change, as ctypes pointers once.
         self.handles = {name: ctypes.c_void_p(int(kernel)) for name, kernel in self.kernels.items()}
-        self.arguments_pointer = ctypes.c_void_p(ctypes.addressof(self.argument_array))
-        self.decode_arguments_pointer = ctypes.c_void_p(ctypes.addressof(self.decode_argument_array))
+        # Per parameter block (launch's ``block``): its argument array's address, as the
+        # cuda-bindings launch takes it, and as the direct launch's ctypes pointer.
+        self.arguments = {
+            block: (ctypes.addressof(array), ctypes.c_void_p(ctypes.addressof(array)))
+            for block, array in (
+                ("chunk", self.argument_array),
+                ("decode", self.decode_argument_array),
+                ("tables", self.tables_argument_array),
+            )
+        }
+        self.arguments_pointer = self.arguments["chunk"][1]  # (benchmarks/host_parts.py times launches with it)
 
     def set_params(self, values: tuple) -> None:
         """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
@@ -204,6 +223,10 @@ class Kernels:
     def set_decode_params(self, values: tuple) -> None:
         """Write the :class:`DecodeParams` block: ``values`` in field order (hold :attr:`lock`)."""
         DECODE_PARAMS_LAYOUT.pack_into(self.decode_params, 0, *values)
+
+    def set_tables_params(self, values: tuple) -> None:
+        """Write the :class:`TablesParams` block: ``values`` in field order (hold :attr:`lock`)."""
+        TABLES_PARAMS_LAYOUT.pack_into(self.tables_params, 0, *values)
 
     def bind_context(self, device_index: int) -> None:
         """Once per thread and device: make sure a context is current for the launches. The
@@ -247,26 +270,25 @@ class Kernels:
         self.configured_devices.add(device_index)
 
     def launch(
-        self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, decode: bool = False
+        self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, block: str = "chunk"
     ) -> None:
-        """Launch ``name`` with the current contents of :attr:`params` (:attr:`decode_params`
-        for a decode kernel; the driver copies them at launch, so the block may be refilled
-        for the next launch at once)."""
+        """Launch ``name`` with the current contents of its parameter block: ``block`` "chunk"
+        (:attr:`params`), "decode" (:attr:`decode_params`) or "tables" (:attr:`tables_params`).
+        The driver copies it at launch, so the block may be refilled for the next launch at once."""
         if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
             raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
+        address, pointer = self.arguments[block]
         if self.direct_launch is None:
             check(
                 self.driver.cuLaunchKernel(
-                    self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem, stream,
-                    ctypes.addressof(self.decode_argument_array if decode else self.argument_array), 0,
+                    self.kernels[name], grid[0], grid[1], 1, threads, 1, 1, smem, stream, address, 0
                 ),
                 f"launching {name}",
-            )  # fmt: skip
+            )
             return
         status = self.direct_launch(
-            self.handles[name], grid[0], grid[1], 1, threads, 1, 1, smem,
-            ctypes.c_void_p(stream), self.decode_arguments_pointer if decode else self.arguments_pointer, None,
-        )  # fmt: skip
+            self.handles[name], grid[0], grid[1], 1, threads, 1, 1, smem, ctypes.c_void_p(stream), pointer, None
+        )
         if status:
             self.launch_failed(name, status)
 

@@ -25,6 +25,8 @@
 // an earlier row is computed, which keeps strict causality bit for bit. When the gate's
 // lower bound rules such rows out (the common case), the entry point kda_prepare (kMayBeFar =
 // false) drops the per-row test, the clamp and the recompute; kda_prepare_far keeps them.
+#include <cub/block/block_scan.cuh>
+
 #include "kda_cuda.cuh"
 
 namespace kda {
@@ -483,5 +485,213 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
 // benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Params p) { prepare_chunk<false>(p); }
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const Params p) { prepare_chunk<true>(p); }
+
+}  // namespace kda
+
+// ---------------------------------------------------------------------------------------------
+// The chunk tables (kda.tables) for the CUDA path: the int64 tables of kda/triton/tables.py's
+// build_tables_kernel, bit for bit, from cu_seqlens as it is on the device. It lives here, not
+// in a fatbin of its own, so that the build, the wheel and the loader keep their three images.
+// On the H200 (2026-12-04, benchmarks/host_parts.py) the Triton launch took 59 us of host time
+// of a tiny call's 150, a direct cuda-python launch about 6.
+//
+// Offsets are read clamped into [0, T] and made non-decreasing by a running maximum, so no
+// cu_seqlens, whatever a graph replay puts there, sends a kernel outside its tensors. The grid
+// comes from the shapes alone (abi.tables_grid), so no CTA can wait for another's results: each
+// walks the sequences from the first, kTableTile at a time (block-wide scans of the offsets'
+// running maximum and the chunk counts), as far as its role needs:
+//   CTA 0: all of them, writing seq_offsets, chunk_offsets and checkpoint_offsets;
+//   slot CTAs: up to the sequences owning their kTablesSlots chunk slots, each slot's owner by
+//     a binary search over a tile's chunk ends (slots past the real chunks: the last sequence);
+//   sequence CTAs: seq_order for kTablesSeqs sequences, each ranked by counting the longer
+//     sequences and the equally long earlier ones (a stable sort, longest first) over all the
+//     lengths, held in shared memory (up to kOrderMax sequences; past it, in order).
+// A walk reads O(N) offsets, as the Triton kernel's programs do: for N in the millions the walks
+// of CTA 0 and of the far slot CTAs, not the launch, set the time.
+namespace kda {
+namespace {
+
+constexpr int kTableItems = 8;  // consecutive sequences per thread in a tile
+constexpr int kTableTile = kTablesThreads * kTableItems;
+constexpr int kRankLanes = kTablesThreads / kTablesSeqs;  // threads counting for one sequence
+static_assert(kRankLanes * kTablesSeqs == kTablesThreads && 32 % kRankLanes == 0, "a sequence's lanes in one warp");
+
+using TableScan = cub::BlockScan<int64_t, kTablesThreads>;
+
+struct TablesShared {
+  TableScan::TempStorage scan;
+  union {
+    int64_t chunk_end[kTableTile];  // slot CTAs: the tile's chunk_offsets[n + 1]
+    int64_t length[kOrderMax];  // sequence CTAs: every sequence's length
+  };
+};
+
+// Where a walk over the sequences stands before its next tile.
+struct SequenceWalk {
+  int64_t offset = 0;  // the largest offset read so far
+  int64_t chunks = 0;  // chunks of the sequences walked
+  int64_t checkpoints = 0;  // checkpoint rows of the sequences walked
+};
+
+// This thread's kTableItems sequences of a tile: n = first + i.
+struct TablesTile {
+  int64_t first;
+  int64_t start[kTableItems], end[kTableItems];  // token offsets, clamped and non-decreasing
+  int64_t chunk_end[kTableItems];  // chunk_offsets[n + 1]
+  int64_t checkpoint_end[kTableItems];  // checkpoint_offsets[n + 1] (kCheckpoints only)
+};
+
+__device__ __forceinline__ int64_t read_offset(const TablesParams& p, int64_t n) {
+  const int64_t x = p.flags & kCuSeqlensInt32 ? int64_t(__ldg(static_cast<const int32_t*>(p.cu_seqlens) + n))
+                                              : __ldg(static_cast<const int64_t*>(p.cu_seqlens) + n);
+  return min(max(x, int64_t(0)), p.tokens);
+}
+
+// The varlen tile of sequences n0 .. n0 + kTableTile (those past N: no chunks), advancing
+// walk. Block-wide: every thread calls it, with the same n0.
+template <bool kCheckpoints>
+__device__ void walk_tile(const TablesParams& p, int64_t n0, SequenceWalk& walk, TablesShared& s, TablesTile& t) {
+  const int64_t N = p.num_seqs;
+  t.first = n0 + int64_t(threadIdx.x) * kTableItems;
+  int64_t x[kTableItems + 1];  // offsets first .. first + kTableItems (the last: the next thread's first)
+  int64_t own_max = 0;
+  for (int i = 0; i <= kTableItems; ++i) {
+    x[i] = t.first + i <= N ? read_offset(p, t.first + i) : 0;
+    if (i < kTableItems) own_max = max(own_max, x[i]);
+  }
+  int64_t before, tile_max;  // the running maximum before this thread's first offset
+  TableScan(s.scan).ExclusiveScan(own_max, before, walk.offset, cuda::maximum<>{}, tile_max);
+  __syncthreads();
+  int64_t chunks[kTableItems], own_chunks = 0, own_checkpoints = 0;
+  for (int i = 0; i < kTableItems; ++i) {
+    before = max(before, x[i]);
+    t.start[i] = before;
+    t.end[i] = max(before, x[i + 1]);
+    chunks[i] = t.first + i < N ? (t.end[i] - t.start[i] + kChunk - 1) / kChunk : 0;
+    own_chunks += chunks[i];
+    own_checkpoints += (chunks[i] + kCheckpointChunks - 1) / kCheckpointChunks;
+  }
+  int64_t chunk_end, tile_chunks;
+  TableScan(s.scan).ExclusiveSum(own_chunks, chunk_end, tile_chunks);
+  __syncthreads();
+  chunk_end += walk.chunks;
+  for (int i = 0; i < kTableItems; ++i) t.chunk_end[i] = chunk_end += chunks[i];
+  if constexpr (kCheckpoints) {
+    int64_t checkpoint_end, tile_checkpoints;
+    TableScan(s.scan).ExclusiveSum(own_checkpoints, checkpoint_end, tile_checkpoints);
+    __syncthreads();
+    checkpoint_end += walk.checkpoints;
+    for (int i = 0; i < kTableItems; ++i)
+      t.checkpoint_end[i] = checkpoint_end += (chunks[i] + kCheckpointChunks - 1) / kCheckpointChunks;
+    walk.checkpoints += tile_checkpoints;
+  }
+  walk.offset = max(walk.offset, tile_max);
+  walk.chunks += tile_chunks;
+}
+
+__device__ void write_offsets(const TablesParams& p, TablesShared& s) {
+  const int64_t N = p.num_seqs;
+  if (!(p.flags & kVarlen)) {  // B sequences of tokens_each tokens
+    const int64_t chunks = (p.tokens_each + kChunk - 1) / kChunk;
+    const int64_t checkpoints = (chunks + kCheckpointChunks - 1) / kCheckpointChunks;
+    for (int64_t n = threadIdx.x; n <= N; n += kTablesThreads) {
+      p.seq_offsets[n] = n * p.tokens_each;
+      p.chunk_offsets[n] = n * chunks;
+      p.checkpoint_offsets[n] = n * checkpoints;
+    }
+    return;
+  }
+  if (threadIdx.x == 0) p.chunk_offsets[0] = p.checkpoint_offsets[0] = 0;
+  SequenceWalk walk;
+  TablesTile t;
+  for (int64_t n0 = 0; n0 < N; n0 += kTableTile) {
+    walk_tile<true>(p, n0, walk, s, t);
+    for (int i = 0; i < kTableItems; ++i) {
+      const int64_t n = t.first + i;
+      if (n >= N) break;
+      p.seq_offsets[n] = t.start[i];
+      p.chunk_offsets[n + 1] = t.chunk_end[i];
+      p.checkpoint_offsets[n + 1] = t.checkpoint_end[i];
+      if (n == N - 1) p.seq_offsets[N] = t.end[i];
+    }
+  }
+}
+
+// chunk_seq[c] for the slots first <= c <= last: the number of sequences whose chunks end at
+// or before c (at most N - 1).
+__device__ void write_owners(const TablesParams& p, int64_t first, int64_t last, TablesShared& s) {
+  const int64_t N = p.num_seqs;
+  if (!(p.flags & kVarlen)) {
+    const int64_t chunks = max((p.tokens_each + kChunk - 1) / kChunk, int64_t(1));
+    for (int64_t c = first + threadIdx.x; c <= last; c += kTablesThreads) p.chunk_seq[c] = min(c / chunks, N - 1);
+    return;
+  }
+  SequenceWalk walk;
+  TablesTile t;
+  for (int64_t n0 = 0; n0 < N && walk.chunks <= last; n0 += kTableTile) {
+    const int64_t tile_first = walk.chunks;
+    walk_tile<false>(p, n0, walk, s, t);
+    if (walk.chunks <= first) continue;  // the tile's chunks all end before these slots
+    for (int i = 0; i < kTableItems; ++i)  // past N: never at or before a slot
+      s.chunk_end[threadIdx.x * kTableItems + i] = t.first + i < N ? t.chunk_end[i] : INT64_MAX;
+    __syncthreads();
+    const int64_t to = min(last, walk.chunks - 1);
+    for (int64_t c = max(first, tile_first) + threadIdx.x; c <= to; c += kTablesThreads) {
+      int lo = 0, hi = kTableTile;  // the first chunk end past c
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (s.chunk_end[mid] <= c) lo = mid + 1;
+        else hi = mid;
+      }
+      p.chunk_seq[c] = n0 + lo;  // c < the tile's last chunk end: a sequence of this tile
+    }
+    __syncthreads();
+  }
+  for (int64_t c = max(first, walk.chunks) + threadIdx.x; c <= last; c += kTablesThreads) p.chunk_seq[c] = N - 1;
+}
+
+// seq_order for the sequences m0 .. m0 + kTablesSeqs.
+__device__ void write_order(const TablesParams& p, int64_t m0, TablesShared& s) {
+  const int64_t N = p.num_seqs, H = p.heads;
+  if (!(p.flags & kRankByLength) || N > kOrderMax) {  // in order: seq_order[i] = i
+    const int64_t to = min(m0 + kTablesSeqs, N) * H;
+    for (int64_t i = m0 * H + threadIdx.x; i < to; i += kTablesThreads) p.seq_order[i] = i;
+    return;
+  }
+  SequenceWalk walk;
+  TablesTile t;
+  for (int64_t n0 = 0; n0 < N; n0 += kTableTile) {
+    walk_tile<false>(p, n0, walk, s, t);
+    for (int i = 0; i < kTableItems && t.first + i < N; ++i) s.length[t.first + i] = t.end[i] - t.start[i];
+  }
+  __syncthreads();
+  // kRankLanes adjacent lanes count for sequence m, each over every kRankLanes-th sequence.
+  const int64_t m = m0 + threadIdx.x / kRankLanes;
+  const int lane = threadIdx.x % kRankLanes;
+  int64_t ahead = 0;
+  if (m < N) {
+    const int64_t length = s.length[m];
+    for (int64_t b = lane; b < N; b += kRankLanes) ahead += s.length[b] > length || (s.length[b] == length && b < m);
+  }
+  for (int width = 1; width < kRankLanes; width *= 2) ahead += __shfl_xor_sync(0xffffffffu, ahead, width);
+  if (m < N)
+    for (int64_t h = lane; h < H; h += kRankLanes) p.seq_order[ahead * H + h] = m * H + h;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kTablesThreads) kda_build_tables(const TablesParams p) {
+  __shared__ TablesShared s;
+  const int64_t slot_blocks = (p.num_chunks + kTablesSlots - 1) / kTablesSlots;
+  const int64_t block = blockIdx.x;
+  if (block == 0) {
+    write_offsets(p, s);
+  } else if (block <= slot_blocks) {
+    const int64_t first = (block - 1) * kTablesSlots;
+    write_owners(p, first, min(first + kTablesSlots, p.num_chunks) - 1, s);
+  } else {
+    write_order(p, (block - 1 - slot_blocks) * kTablesSeqs, s);
+  }
+}
 
 }  // namespace kda

@@ -82,7 +82,7 @@ def state_grad_chain(
     kernels, device_index, stream, capturing = _launch_context(p)
     if tables is None:
         with on_device(device_index):
-            tables = chunk_tables(p, capturing)
+            tables = chunk_tables(p, capturing, kernels, stream)
     num_chunks, N, H = tables.num_chunks, p.N, p.H
     if dstates.dtype != torch.bfloat16 or tuple(dstates.shape) != (num_chunks, H, p.V, p.K):
         raise ValueError(f"dstates must be bfloat16 [{num_chunks}, {H}, {p.V}, {p.K}], got {tuple(dstates.shape)}")
