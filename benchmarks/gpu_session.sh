@@ -68,7 +68,7 @@ if [[ $step == all || $step == *sanitize* ]]; then
   [[ -d /tmp/kda-install ]] && export PYTHONPATH=/tmp/kda-install:/tmp/site
   # --report-api-errors no: cuda-bindings probes driver entry points it may lack through
   # cuGetProcAddress at cuInit (34 host-side INVALID_VALUE results, run 1); kernel errors still count.
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 benchmarks/cuda_smoke.py \
       > "$OUT/sanitizer-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
   done
@@ -191,6 +191,17 @@ ab_rounds() {
 }
 if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
+fi
+if [[ $step == *widthab* ]]; then  # K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds: WIDTH_AB="DIR:WIDTH ..."
+  for round in $(seq ${WIDTH_AB_ROUNDS:-1}); do
+    for run in ${WIDTH_AB:-.kernels:auto .kernels:2k2 .kernels:1k2}; do
+      dir=${run%%:*} width=${run##*:}
+      if [[ $width == auto ]]; then unset KDA_CUDA_WARPS; else export KDA_CUDA_WARPS=$width; fi
+      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$run" >> "$OUT/width-ab.jsonl" 2>> "$OUT/width-ab.log"
+    done
+  done
+  unset KDA_CUDA_WARPS
+  python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl"
 fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"
   ab_rounds decode-ab "${DECODE_AB_DIRS:-.kernels}" benchmarks/decode_ab.py ${DECODE_AB_SIZES:-32 256 1024}

@@ -31,7 +31,7 @@ from helpers import (
 from kda import abi
 from kda.api import checked_problem
 from kda.cuda import BACKEND, loader
-from kda.cuda.forward import recurrence_warps
+from kda.cuda.forward import recurrence_width
 from kda.tables import chunk_tables
 
 SOURCES = Path(loader.__file__).parent
@@ -51,6 +51,7 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
+                    "kda_recurrence_w2k2": 128,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -90,7 +91,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
     assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.TABLES_KERNEL,
-                           *(f"kda_recurrence_w{w}" for w in loader.RECURRENCE_WIDTHS),
+                           *(name for name, _ in loader.RECURRENCE_KERNELS.values()),
                            *(name for name, _ in loader.CHAIN_KERNELS.values()), loader.PRODUCTS_KERNEL[0],
                            *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills) in report.items() if spills} == {}
@@ -145,7 +146,8 @@ def test_the_compiler_lays_out_the_abi_as_ctypes_does(tmp_path):
     checks += [f"kda::kWorkspaceBytes == {loader.WORKSPACE_BYTES}", f"kda::kStages == {loader.STAGES}",
                f"kda::kPrepareThreads == {loader.PREPARE_THREADS}", f"kda::kHeadDim == {loader.HEAD_DIM}"]  # fmt: skip
     checks += [
-        f"kda::recurrence_shared_bytes({w}) == {loader.RECURRENCE_KERNELS[w][1]}" for w in loader.RECURRENCE_WIDTHS
+        f"kda::recurrence_shared_bytes({w}, {k}) == {shared}"
+        for (w, k), (_, shared) in loader.RECURRENCE_KERNELS.items()
     ]
     probe = tmp_path / "probe.cu"
     probe.write_text('#include <cstddef>\n#include "kda_abi.h"\n'
@@ -256,17 +258,22 @@ def switches(monkeypatch):
 
 def test_recurrence_width_follows_the_pair_count_unless_overridden(switches):
     switches("KDA_CUDA_WARPS", None)
-    assert recurrence_warps(pairs=96, sms=132) == 2
-    assert recurrence_warps(pairs=395, sms=132) == 2
-    assert recurrence_warps(pairs=396, sms=132) == 4
+    assert recurrence_width(pairs=32, sms=132) == (2, 2)
+    assert recurrence_width(pairs=66, sms=132) == (2, 2)
+    assert recurrence_width(pairs=67, sms=132) == (2, 1)
+    assert recurrence_width(pairs=96, sms=132) == (2, 1)
+    assert recurrence_width(pairs=395, sms=132) == (2, 1)
+    assert recurrence_width(pairs=396, sms=132) == (4, 1)
     switches("KDA_CUDA_WARPS", "1")
-    assert recurrence_warps(pairs=96, sms=132) == 1
+    assert recurrence_width(pairs=32, sms=132) == (1, 1)
+    switches("KDA_CUDA_WARPS", "2k2")
+    assert recurrence_width(pairs=96, sms=132) == (2, 2)
 
 
 def test_bad_cta_width_override_is_refused(switches):
     switches("KDA_CUDA_WARPS", "3")
     with pytest.raises(ValueError, match="KDA_CUDA_WARPS"):
-        recurrence_warps(pairs=1, sms=132)
+        recurrence_width(pairs=1, sms=132)
 
 
 def test_compiled_inference_call_takes_the_cuda_path_through_the_custom_op():
@@ -444,6 +451,50 @@ def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dt
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, 5e-3, "o")
     assert_close_fp64(ht, ht_ref, 5e-3, "state")
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, monkeypatch, layout, state_dtype):
+    """K2 with each V group's K split between two warps (KDA_CUDA_WARPS=2k2): the final state
+    is the unsplit kernel's bit for bit (U is, as each warp adds its own half of S^T w^T to its
+    partner's), the output within float32 summation order of it and as close to float64; every
+    output written, nothing outside them; the split entry point is the one launched."""
+    from kda.cuda.forward import run_stages, workspace_bytes
+
+    case = cuda_case([0, 17, 1, 33, 300, 1200], 2, layout, "lower_bound", False, True, seed=31)
+    case.initial_state = case.initial_state.to(state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
+    launched = []
+    launch = loader.Kernels.launch
+
+    def spy(self, name, *args, **kwargs):
+        launched.append(name)
+        return launch(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(loader.Kernels, "launch", spy)
+    results = {}
+    for w in ("2", "2k2"):
+        monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", w)
+        guard = 4096
+        o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
+        o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
+        ht = h_buf[guard:-guard].view(p.N, p.HV, p.K, p.V)
+        run_stages(p, o, ht, torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+        assert not o.isnan().any() and not ht.isnan().any(), f"{w}: some outputs were never written"
+        for buf in (o_buf, h_buf):
+            assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), f"{w}: a write landed outside"
+        results[w] = o, ht
+    assert launched.count("kda_recurrence_w2k2") == 1 and launched.count("kda_recurrence_w2") == 1, launched
+    (o2, ht2), (o_split, ht_split) = results["2"], results["2k2"]
+    assert torch.equal(ht_split, ht2)
+    assert rel(o_split, o2) < 2e-3
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o_split, o_ref, 5e-3, "o")
+    assert rel(o_split, o_ref) <= 1.05 * rel(o2, o_ref) + 1e-5
 
 
 @pytest.mark.gpu

@@ -183,7 +183,7 @@ def _checkpoints_both_ways(p):
 
 @pytest.mark.gpu
 @cuda_ready
-@pytest.mark.parametrize("warps", ["1", "2", "4"])
+@pytest.mark.parametrize("warps", ["1", "2", "4", "2k2"])
 @pytest.mark.parametrize("shape", ["varlen", "batched"])
 @pytest.mark.parametrize("h0", ["fp32", "bf16", None])
 def test_gpu_cuda_checkpoints_every_width_layout_and_state(monkeypatch, warps, shape, h0):

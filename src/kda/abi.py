@@ -209,6 +209,11 @@ def prepare_kernel_name(gate_lower_bound: bool, lower_bound: float) -> str:
 
 STAGES = 3  # recurrence pipeline stages; four measured the same (benchmarks/NOTES.md, 2026-11-30, commit 0f49568)
 RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): one entry point each
+# The widths whose 16-column V groups also have an entry point with each group's K split between
+# two warps (kda_recurrence_w{warps}k2: twice the consumer warps, for calls with few chains; one
+# group split, eight CTAs a pair, was slower than the unsplit widths on every anchor, H200,
+# 2026-12-04, run 79).
+RECURRENCE_SPLIT_WIDTHS = (2,)
 CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (recurrence.cu)
 
 
@@ -230,12 +235,15 @@ def products_shared_bytes() -> int:
     return PRODUCT_STAGES * stage + operands + PRODUCT_WARPS * CHUNK * 16 * 2
 
 
-def recurrence_shared_bytes(warps: int) -> int:
-    """Dynamic shared memory of a recurrence CTA: STAGES x (a workspace block + 16 v rows of
-    16 * warps bf16 columns, each row padded by 16 bytes) + a [16, 16] bf16 output tile per
-    warp. recurrence.cu checks its Stage layout against this at compile time."""
+def recurrence_shared_bytes(warps: int, ksplit: int = 1) -> int:
+    """Dynamic shared memory of a recurrence CTA of ``warps`` 16-column V groups, each group's K
+    split among ``ksplit`` warps: STAGES x (a workspace block + 16 v rows of 16 * warps bf16
+    columns, each row padded by 16 bytes) + a [16, 16] bf16 output tile per consumer warp + where
+    K is split, the pairs' exchange (per group, two steps' buffers of 12 floats a lane for each
+    warp of the pair). recurrence.cu checks its layout against this at compile time."""
     v_row_bytes = 16 * warps * 2 + 16
-    return STAGES * (WORKSPACE_BYTES + CHUNK * v_row_bytes) + warps * CHUNK * 16 * 2
+    exchange = 0 if ksplit == 1 else warps * 2 * ksplit * 12 * 32 * 4
+    return STAGES * (WORKSPACE_BYTES + CHUNK * v_row_bytes) + warps * ksplit * CHUNK * 16 * 2 + exchange
 
 
 def c_flag_name(name: str) -> str:
@@ -300,8 +308,13 @@ def header() -> str:
         f"constexpr int kProductRowBytes = {PRODUCT_ROW_BYTES};",
         f"constexpr int kProductsSharedBytes = {products_shared_bytes()};",
         "",
-        "constexpr int recurrence_shared_bytes(int warps) {",
-        "  return " + " : ".join(f"warps == {w} ? {recurrence_shared_bytes(w)}" for w in RECURRENCE_WIDTHS) + " : -1;",
+        "constexpr int recurrence_shared_bytes(int warps, int ksplit = 1) {",
+        "  return "
+        + " : ".join(
+            [f"warps == {w} && ksplit == 1 ? {recurrence_shared_bytes(w)}" for w in RECURRENCE_WIDTHS]
+            + [f"warps == {w} && ksplit == 2 ? {recurrence_shared_bytes(w, 2)}" for w in RECURRENCE_SPLIT_WIDTHS]
+        )
+        + " : -1;",
         "}",
         "",
         "}  // namespace kda",

@@ -37,7 +37,7 @@ SETTING = "KDA_SEGMENT_TOKENS"
 
 # The automatic split, from the CUDA path on the H200 (`kda bench --long`, benchmarks/NOTES.md,
 # runs 18 and 50; the uncut recurrence runs four CTAs a (sequence, head) pair when pairs are few,
-# kda.cuda.forward.recurrence_warps): on 1x2097152 H8 (32 CTAs on 132 SMs) segments of 16384
+# kda.cuda.forward.recurrence_width): on 1x2097152 H8 (32 CTAs on 132 SMs) segments of 16384
 # tokens took 63.1 ms against 94.6 uncut (4096: 67.1, 65536: 71.9; fla 90.0); on 1x524288 H16
 # (64 CTAs) the split lost at every length (33.0 against 26.1 uncut), and at H32 by 2x or more.
 # A sequence counts as long from AUTO_MIN_SEGMENTS segments of this length.

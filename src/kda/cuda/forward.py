@@ -13,22 +13,36 @@ from kda.dispatch import note, on_device
 from kda.tables import chunk_slots, chunk_tables
 from kda.validation import Problem
 
+# KDA_CUDA_WARPS's values: (16-row V groups a CTA, warps each group's K is split among).
+RECURRENCE_OVERRIDES = {str(w): (w, 1) for w in abi.RECURRENCE_WIDTHS} | {
+    f"{w}k2": (w, 2) for w in abi.RECURRENCE_SPLIT_WIDTHS
+}
 
-def recurrence_warps(pairs: int, sms: int) -> int:
-    """Consumer warps per recurrence CTA (16 V rows each, plus one producer warp), for
-    ``pairs`` (sequence, head) pairs on ``sms`` SMs. Measured on the H200 (benchmarks/NOTES.md,
-    2026-11-30, commit 0f49568, run 3): two warps (four CTAs a pair, 168 registers, four CTAs an SM) win while
-    the pairs are few (up to 256 on 132 SMs: 1x8192 H96 0.563 ms vs 0.583 for four warps,
-    1x32768 H32 1.25 vs 1.71); four warps (two CTAs a pair, 128 registers, three CTAs an SM)
-    win from 512 pairs on (1024x8 H96 0.440 vs 0.473, varlen6 H96 0.432 vs 0.476), where
-    every SM holds several pairs and the shared workspace reads count. ``KDA_CUDA_WARPS``
-    overrides the choice (read at import: ``kda.cuda.read_switches``)."""
-    warps = switches.WARPS_OVERRIDE
-    if warps is None:
-        return 4 if pairs >= 3 * sms else 2
-    if warps not in ("1", "2", "4"):
-        raise ValueError(f"KDA_CUDA_WARPS must be 1, 2 or 4 (warps per recurrence CTA), got {warps!r}")
-    return int(warps)
+
+def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
+    """``(warps, ksplit)`` per recurrence CTA, for ``pairs`` (sequence, head) pairs on ``sms`` SMs:
+    ``warps`` 16-row V groups, each held by ``ksplit`` consumer warps (plus one producer warp).
+    Measured on the H200: two warps (four CTAs a pair, 168 registers, four CTAs an SM) win while
+    the pairs are few (up to 256 on 132 SMs: 1x8192 H96 0.563 ms vs 0.583 for four warps, 1x32768
+    H32 1.25 vs 1.71); four warps (two CTAs a pair, 128 registers, three CTAs an SM) win from 512
+    pairs on (1024x8 H96 0.440 vs 0.473, varlen6 H96 0.432 vs 0.476), where every SM holds several
+    pairs and the shared workspace reads count (benchmarks/NOTES.md, 2026-11-30, commit 0f49568,
+    run 3). Two warps with K split (``2k2``: four consumer warps, so each SM sub-partition gets
+    one) win while the pairs give no SM more than two CTAs: 1x32768 H32 (32 pairs) K2 1.017 ms vs
+    1.120, 1x8192 H64 (64 pairs) 0.406 vs 0.426, but 1x8192 H96 (96 pairs) 0.530 vs 0.453
+    (2026-12-04, run 79). ``KDA_CUDA_WARPS`` (1, 2, 4, or 2k2) overrides the choice (read at
+    import: ``kda.cuda.read_switches``)."""
+    override = switches.WARPS_OVERRIDE
+    if override is None:
+        if 2 * pairs <= sms:
+            return (2, 2)
+        return (4, 1) if pairs >= 3 * sms else (2, 1)
+    if override not in RECURRENCE_OVERRIDES:
+        raise ValueError(
+            f"KDA_CUDA_WARPS must be one of {', '.join(RECURRENCE_OVERRIDES)} (the recurrence's CTA width), "
+            f"got {override!r}"
+        )
+    return RECURRENCE_OVERRIDES[override]
 
 
 @functools.cache
@@ -293,7 +307,7 @@ def _launch(
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
-    warps = recurrence_warps(N * H, sm_count(device_index))
+    warps, ksplit = recurrence_width(N * H, sm_count(device_index))
     params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
@@ -302,7 +316,7 @@ def _launch(
             kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
-        threads = 32 * (warps + 1)  # the consumer warps and one producer warp
-        name, shared_bytes = loader.RECURRENCE_KERNELS[warps]
+        threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
+        name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]
         kernels.launch(name, grid, threads, shared_bytes, stream)
         note("cuda:recurrence")

@@ -98,8 +98,12 @@ def driver_launch():
 
 
 # Per recurrence width: its entry point and dynamic shared memory, looked up once per call.
+# Keyed by (16-row V groups, warps a group's K is split among).
 RECURRENCE_KERNELS = {
-    warps: (f"kda_recurrence_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in RECURRENCE_WIDTHS
+    (warps, 1): (f"kda_recurrence_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in RECURRENCE_WIDTHS
+} | {
+    (warps, 2): (f"kda_recurrence_w{warps}k2", abi.recurrence_shared_bytes(warps, 2))
+    for warps in abi.RECURRENCE_SPLIT_WIDTHS
 }
 # The training backward's reverse chain: K2's pipeline and stages, so its shared memory.
 CHAIN_KERNELS = {

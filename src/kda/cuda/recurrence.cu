@@ -113,16 +113,28 @@ struct ChainSlice {
   __device__ int rows(int64_t c) const { return static_cast<int>(min(static_cast<int64_t>(kChunk), eos - bos - c * kChunk)); }
 };
 
-// This warp's 16 rows of a transposed state from p.h0 (float32 or bf16, either layout), or zeros.
-__device__ __forceinline__ void load_state(float (&St)[16][4], const Params& p, const StateOffsets& state_offset,
-                                           const Lane& lane, int64_t state_base) {
-  for (int j = 0; j < 16; ++j)
+// This warp's 16 rows of a transposed state from p.h0 (float32 or bf16, either layout), or zeros:
+// its TILES accumulator tiles, tile jl holding key channels 8 j .. 8 j + 7 with j = tile_of(jl).
+struct SameTile {
+  __device__ int operator()(int jl) const { return jl; }
+};
+
+template <int TILES = 16, class TileOf = SameTile>
+__device__ __forceinline__ void load_state(float (&St)[TILES][4], const Params& p, const StateOffsets& state_offset,
+                                           const Lane& lane, int64_t state_base, TileOf tile_of = TileOf()) {
+  for (int jl = 0; jl < TILES; ++jl)
     for (int e = 0; e < 4; ++e) {
-      const int64_t at = state_base + state_offset(lane, j, e);
-      St[j][e] = !(p.flags & kHasH0)       ? 0.f
-                 : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
-                                           : static_cast<const float*>(p.h0)[at];
+      const int64_t at = state_base + state_offset(lane, tile_of(jl), e);
+      St[jl][e] = !(p.flags & kHasH0)       ? 0.f
+                  : (p.flags & kH0Bfloat16) ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.h0)[at])
+                                            : static_cast<const float*>(p.h0)[at];
     }
+}
+
+// The two warps of a split V group (recurrence<WARPS, 2>) meet at named barrier 1 + group
+// (barrier 0 is __syncthreads').
+__device__ __forceinline__ void pair_barrier(int group) {
+  asm volatile("bar.sync %0, 64;" ::"r"(1 + group) : "memory");
 }
 
 // Columns column..column+15 of a staged row-major [16 tokens, BV] tile (v, or dO for the
@@ -164,8 +176,10 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
 // releasing, racecheck reports the other 31 lanes' reads of a stage as racing with its refill
 // (it does not follow __syncwarp).
 // FULL_ARRIVALS: arrivals a stage's fill makes (load_stage: the producer's 32 lanes' cp.async
-// arrivals and lane 0's expect-tx arrival).
-template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4), int FULL_ARRIVALS = 33>
+// arrivals and lane 0's expect-tx arrival). CONSUMERS: the warps that read a stage (WARPS, the
+// stage's 16-row V groups, or twice that where each group's K is split between two warps).
+template <int WARPS, int STAGES = kStages, bool LANE_RELEASE = (WARPS < 4), int FULL_ARRIVALS = 33,
+          int CONSUMERS = WARPS>
 struct Pipeline {
   static constexpr bool kLaneRelease = LANE_RELEASE;
   uint64_t* full;
@@ -175,7 +189,7 @@ struct Pipeline {
     if (threadIdx.x == 0) {
       for (int s = 0; s < STAGES; ++s) {
         cute::initialize_barrier(full[s], FULL_ARRIVALS);
-        cute::initialize_barrier(empty[s], kLaneRelease ? WARPS * 32 : WARPS);
+        cute::initialize_barrier(empty[s], kLaneRelease ? CONSUMERS * 32 : CONSUMERS);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -209,29 +223,65 @@ struct Pipeline {
   }
 };
 
-template <int WARPS>
+// K2's consumer loop. WARPS 16-row V groups a CTA; KSPLIT = 2 splits each group's K between two
+// warps (2026-12-04), for calls with too few (sequence, head) pairs to give every SM sub-partition
+// a warp: each warp of a pair holds half of the group's S^T (the tiles of the 16-column steps kk
+// of its parity), so the serial chain's MMAs per warp halve. The two exchange, once a chunk,
+// their halves of S^T w^T (the even and odd accumulator chains of the unsplit loop, so U, and
+// with it S and the final state, are bit for bit the unsplit kernel's) and of S^T q_decayed^T,
+// through shared memory at a named barrier of the pair; warp kh then finishes the output of
+// tokens 8 kh .. 8 kh + 7. The output's float32 sum is ordered differently from the unsplit
+// kernel's (the even steps' sum plus the odd steps', then U^T M^T): the same accuracy, other bits.
+template <int WARPS, int KSPLIT>
+struct Consumers {
+  static constexpr int kWarps = WARPS * KSPLIT;
+  static constexpr int kTiles = 16 / KSPLIT;  // S^T accumulator tiles a warp holds
+  // The pair's exchange, per V group, step parity (two buffers: a warp writes step i + 1's while
+  // its partner may still read step i's) and warp of the pair: 12 floats a lane, S^T w^T's two
+  // n-tiles and the partner's n-tile of S^T q_decayed^T, as three float4 [3][32].
+  static constexpr int shared_bytes() {
+    return kStages * Stage<WARPS>::kBytes + kWarps * Stage<WARPS>::kOutBytes +
+           (KSPLIT == 1 ? 0 : WARPS * 2 * KSPLIT * 3 * 32 * 16);
+  }
+  // Tile jl of this warp's S^T is tile j of the group's: key channels 8j..8j+7.
+  __device__ static int tile(int jl, int kh) { return KSPLIT == 1 ? jl : 4 * (jl / 2) + 2 * kh + jl % 2; }
+};
+
+static_assert(Consumers<2, 2>::shared_bytes() == recurrence_shared_bytes(2, 2) &&
+                  Consumers<2, 1>::shared_bytes() == recurrence_shared_bytes(2),
+              "the split recurrence's shared memory differs from src/kda/abi.py");
+
+template <int WARPS, int KSPLIT = 1>
 __device__ __forceinline__ void recurrence(const Params& p) {
   using WS = WorkspaceLayout;
+  using C = Consumers<WARPS, KSPLIT>;
   extern __shared__ __align__(128) unsigned char smem[];
   const Lane lane;
   const int warp = threadIdx.x / 32;
-  const ChainSlice<WARPS> cs(p, warp);
-  const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, c_first = cs.c_first, num_chunks = cs.num_chunks;
+  const int group = warp / KSPLIT, kh = warp % KSPLIT;  // V group, K half
+  const ChainSlice<WARPS> cs(p, group);
+  const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
 
-  float St[16][4];  // S^T rows v_warp..+15; tile j holds key channels 8j..8j+7
+  float St[C::kTiles][4];  // S^T rows v_warp..+15; tile jl holds key channels 8j..8j+7, j = C::tile(jl, kh)
   const StateOffsets state_offset(p, v_warp, lane);
   const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
-  if (warp < WARPS) load_state(St, p, state_offset, lane, state_base);
+  if (warp < C::kWarps) load_state<C::kTiles>(St, p, state_offset, lane, state_base, [kh](int jl) { return C::tile(jl, kh); });
 
   __shared__ uint64_t full[kStages], empty[kStages];
-  Pipeline<WARPS> pipe(full, empty);
-  if (warp == WARPS) {
+  // Every lane releases where K is split too (four consumer warps, but no spill at 128
+  // registers; with one lane a warp racecheck reported the stage refills as racing with the
+  // other lanes' reads, H200, 2026-12-04, run 79).
+  Pipeline<WARPS, kStages, (WARPS < 4), 33, C::kWarps> pipe(full, empty);
+  if (warp == C::kWarps) {
     pipe.template produce<false>(p, cs, smem);
     return;
   }
   __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(smem + kStages * Stage<WARPS>::kBytes +
                                                              warp * Stage<WARPS>::kOutBytes);
+  float4* exchange = reinterpret_cast<float4*>(smem + kStages * Stage<WARPS>::kBytes +
+                                               C::kWarps * Stage<WARPS>::kOutBytes) +
+                     group * (2 * KSPLIT * 3 * 32);
 
   // The training forward's checkpoints: the float32 state entering every kCheckpointChunks-th
   // chunk, [rows, H, V, K] (as kda/triton/recurrence.py writes them), this warp's 16 V rows.
@@ -242,9 +292,10 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
     if (checkpoint != nullptr && i % kCheckpointChunks == 0) {
       // Elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8.
-      for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<float2*>(checkpoint + 8 * j) = make_float2(St[j][0], St[j][1]);
-        *reinterpret_cast<float2*>(checkpoint + 8 * kHeadDim + 8 * j) = make_float2(St[j][2], St[j][3]);
+      for (int jl = 0; jl < C::kTiles; ++jl) {
+        const int j = C::tile(jl, kh);
+        *reinterpret_cast<float2*>(checkpoint + 8 * j) = make_float2(St[jl][0], St[jl][1]);
+        *reinterpret_cast<float2*>(checkpoint + 8 * kHeadDim + 8 * j) = make_float2(St[jl][2], St[jl][3]);
       }
       checkpoint += p.heads * (kHeadDim * kHeadDim);  // the sequence's next checkpoint row
     }
@@ -267,11 +318,12 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     // V^T inverse_beta^T, off the serial chain; V^T comes from the row-major v tile by
     // ldmatrix.trans. Where v is taken as zeros (kVZero) no v tile was loaded, and every row
     // is masked as past the end: zeros. (A branch around these MMAs instead cost the 4-warp
-    // width an 8-byte spill at its 128-register cap, nvcc 13.0, 2026-12-03.)
+    // width an 8-byte spill at its 128-register cap, nvcc 13.0, 2026-12-03.) Both warps of a
+    // split pair form it, the same bits.
     float VB[2][4] = {};
     uint32_t aV[4];
     const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
-    token_tile_operand(aV, v_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, v_rows);
+    token_tile_operand(aV, v_tile, Stage<WARPS>::kVRowStride, group * 16, lane, v_rows);
     for (int nt = 0; nt < 2; ++nt) {
       const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;  // 32-bit words, row-major [16, 16]
       mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
@@ -281,60 +333,95 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     // S^T w^T (on the serial chain) and S^T q_decayed^T (for O^T) take the same left operand:
     // each 16-column step of S^T is converted once and used at once, so no copy of S^T as
     // bf16 stays live (registers decide how many CTAs an SM holds). S^T w^T runs as two
-    // accumulator chains, even and odd steps, half as deep.
-    float P[2][2][4] = {};
+    // accumulator chains, even and odd steps kk, half as deep; a split pair's warp kh runs
+    // chain kh.
+    constexpr int kChains = 2 / KSPLIT;
+    float P[kChains][2][4] = {};
     float O[2][4] = {};
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int m = 0; m < 8 / KSPLIT; ++m) {
+      const int kk = KSPLIT * m + kh;
       uint32_t aS[4], bw[4], bq[4];
-      accumulators_to_operand(aS, St[2 * kk], St[2 * kk + 1]);
+      accumulators_to_operand(aS, St[2 * m], St[2 * m + 1]);
       ldmatrix_x4(bw, tile_w + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
-      mma_bf16(P[kk % 2][0], aS, bw[0], bw[1]);
-      mma_bf16(P[kk % 2][1], aS, bw[2], bw[3]);
+      mma_bf16(P[m % kChains][0], aS, bw[0], bw[1]);
+      mma_bf16(P[m % kChains][1], aS, bw[2], bw[3]);
       ldmatrix_x4(bq, tile_qd + tile_offset(r_lo + 8 * sel_b, 8 * (2 * kk + sel_a)));
       mma_bf16(O[0], aS, bq[0], bq[1]);
       mma_bf16(O[1], aS, bq[2], bq[3]);
     }
     // U^T = V^T inverse_beta^T - S^T w^T.
     float U[2][4];
-    for (int nt = 0; nt < 2; ++nt)
-      for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - (P[0][nt][e] + P[1][nt][e]);
+    if constexpr (KSPLIT == 1) {
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - (P[0][nt][e] + P[1][nt][e]);
+    } else {
+      // Sums of two: a + b is b + a in float32, so each warp adds its own half to its partner's.
+      float4* mine = exchange + ((i & 1) * KSPLIT + kh) * (3 * 32) + lane.l;
+      const float4* theirs = exchange + ((i & 1) * KSPLIT + (1 - kh)) * (3 * 32) + lane.l;
+      float sent[4];  // the partner's n-tile of this warp's S^T q_decayed^T
+      for (int e = 0; e < 4; ++e) sent[e] = kh == 0 ? O[1][e] : O[0][e];
+      mine[0] = make_float4(P[0][0][0], P[0][0][1], P[0][0][2], P[0][0][3]);
+      mine[32] = make_float4(P[0][1][0], P[0][1][1], P[0][1][2], P[0][1][3]);
+      mine[64] = make_float4(sent[0], sent[1], sent[2], sent[3]);
+      pair_barrier(group);
+      const float4 t0 = theirs[0], t1 = theirs[32], to = theirs[64];
+      const float other[2][4] = {{t0.x, t0.y, t0.z, t0.w}, {t1.x, t1.y, t1.z, t1.w}};
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - (P[0][nt][e] + other[nt][e]);
+      // n-tile kh of S^T q_decayed^T, the even steps' sum plus the odd steps', into O[0]
+      const float other_o[4] = {to.x, to.y, to.z, to.w};
+      for (int e = 0; e < 4; ++e) O[0][e] = (kh == 0 ? O[0][e] : O[1][e]) + other_o[e];
+    }
     uint32_t aU[4];
     accumulators_to_operand(aU, U[0], U[1]);
 
     // S^T_next = S^T Diag(gamma) + U^T k_restored (k_restored is row-major: ldmatrix.trans).
-    scale_by_gamma(St, gamma, lane);
-    for (int jp = 0; jp < 8; ++jp) {
+    for (int jl = 0; jl < C::kTiles; ++jl) {
+      const float2 gm = gamma[4 * C::tile(jl, kh) + lane.t];
+      St[jl][0] *= gm.x;
+      St[jl][1] *= gm.y;
+      St[jl][2] *= gm.x;
+      St[jl][3] *= gm.y;
+    }
+    for (int m = 0; m < 8 / KSPLIT; ++m) {
+      const int jp = KSPLIT * m + kh;
       uint32_t bk[4];
       ldmatrix_x4_trans(bk, tile_kr + tile_offset(r_lo + 8 * sel_a, 8 * (2 * jp + sel_b)));
-      mma_bf16(St[2 * jp], aU, bk[0], bk[1]);
-      mma_bf16(St[2 * jp + 1], aU, bk[2], bk[3]);
+      mma_bf16(St[2 * m], aU, bk[0], bk[1]);
+      mma_bf16(St[2 * m + 1], aU, bk[2], bk[3]);
     }
 
-    // O^T += U^T M^T.
-    for (int nt = 0; nt < 2; ++nt) {
-      const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+    // O^T += U^T M^T (a split pair's warp kh: its n-tile, tokens 8 kh .. 8 kh + 7, held in O[0]).
+    constexpr int kOutTiles = 2 / KSPLIT;
+    for (int nt = 0; nt < kOutTiles; ++nt) {
+      const int row = (8 * (nt + kh) + lane.g) * (kChunk / 2) + lane.t;
       mma_bf16(O[nt], aU, M[row], M[row + 4]);
     }
     pipe.release(lane);
     // O^T through shared memory, so that each token's 16 values leave as one 32-byte row.
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < kOutTiles; ++nt)
       for (int e = 0; e < 4; ++e)
-        out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
+        out_tile[(8 * (nt + kh) + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
     __syncwarp();
-    const int64_t tok = bos + i * kChunk + lane.l / 2;
-    if (tok < eos)
-      *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
-          reinterpret_cast<const uint4*>(out_tile)[lane.l];
+    if (KSPLIT == 1 || lane.l / 16 == 0) {
+      const int piece = KSPLIT == 1 ? lane.l : 16 * kh + lane.l;  // 16-byte piece: token piece / 2, half piece % 2
+      const int64_t tok = bos + i * kChunk + piece / 2;
+      if (tok < eos)
+        *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (piece % 2)) =
+            reinterpret_cast<const uint4*>(out_tile)[piece];
+    }
     __syncwarp();
   }
 
   if (p.flags & kStoreHt)
-    for (int j = 0; j < 16; ++j)
-      for (int e = 0; e < 4; ++e)
+    for (int jl = 0; jl < C::kTiles; ++jl)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t at = state_base + state_offset(lane, C::tile(jl, kh), e);
         if (p.flags & kHtBfloat16)
-          static_cast<__nv_bfloat16*>(p.ht)[state_base + state_offset(lane, j, e)] = __float2bfloat16_rn(St[j][e]);
+          static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[jl][e]);
         else
-          static_cast<float*>(p.ht)[state_base + state_offset(lane, j, e)] = St[j][e];
+          static_cast<float*>(p.ht)[at] = St[jl][e];
+      }
 }
 
 // The training backward's reverse chain of the state gradient (kda/triton/state_grad.py's
@@ -823,10 +910,13 @@ __device__ __forceinline__ void state_products(const Params& p) {
 // allocated per SM sub-partition (16384 each), so the cap decides how many CTAs an SM holds:
 // at 168, three warps a sub-partition (two-warp CTAs: four an SM, eight consumer warps); at
 // 128, four (four-warp CTAs: three an SM, twelve consumer warps). The loop needs no more
-// than 128 without spilling; forward.recurrence_warps picks the width (2026-11-30, commit 0f49568, run 3).
+// than 128 without spilling; forward.recurrence_width picks the width (2026-11-30, commit 0f49568, run 3).
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w1(const Params p) { recurrence<1>(p); }
 extern "C" __global__ void __maxnreg__(168) kda_recurrence_w2(const Params p) { recurrence<2>(p); }
 extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { recurrence<4>(p); }
+// K split between two warps a V group (few chains: the calls where sub-partitions would idle),
+// five warps a CTA; 128 registers, no spill.
+extern "C" __global__ void __maxnreg__(128) kda_recurrence_w2k2(const Params p) { recurrence<2, 2>(p); }
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
 extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w1(const Params p) { state_grad_chain<1>(p); }
