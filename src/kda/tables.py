@@ -19,8 +19,7 @@ tokens, and the kernels that walk chunk slots skip them. Offsets are clamped int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 
@@ -61,7 +60,6 @@ def checkpoint_rows(B: int, T: int, N: int, varlen: bool) -> int:
     return -(-T // span) + N
 
 
-@dataclass
 class ChunkTables:
     """Where every chunk lives. Batched inputs are treated as N = B packed sequences.
 
@@ -70,24 +68,44 @@ class ChunkTables:
     last sequence for slots past the real chunks: they start past its end); ``seq_order
     [N*H]``: the (sequence, head) pairs as ``n * H + h``, longest sequence first (the CUDA
     recurrence's schedule: the longest chains start first, short ones fill in behind);
-    ``checkpoint_offsets [N+1]``: first checkpoint row of each sequence (training). All int64.
-    ``num_chunks``: chunk slots (:func:`chunk_slots`), what grids and workspaces are sized by.
-    ``addresses``: the first four tables' device addresses in that order (the CUDA launch's).
-    """
+    ``checkpoint_offsets [N+1]``: first checkpoint row of each sequence (training). All int64,
+    in one tensor ``packed`` in the order seq_offsets, chunk_offsets, checkpoint_offsets,
+    chunk_seq, seq_order. ``num_chunks``: chunk slots (:func:`chunk_slots`), what grids and
+    workspaces are sized by. ``addresses``: the device addresses of seq_offsets, chunk_offsets,
+    chunk_seq and seq_order in that order (the CUDA launch's), ``checkpoint_address`` that of
+    checkpoint_offsets: computed from ``packed``'s, so the CUDA path makes no view of it (five
+    views cost about 7 us of host time a call, 2026-12-04); the tables themselves are views made
+    at their first use."""
 
-    seq_offsets: torch.Tensor
-    chunk_offsets: torch.Tensor
-    chunk_seq: torch.Tensor
-    seq_order: torch.Tensor
-    checkpoint_offsets: torch.Tensor
-    num_chunks: int
-    BK: int
-    addresses: tuple[int, int, int, int] = (0, 0, 0, 0)
+    def __init__(self, packed: torch.Tensor, num_seqs: int, num_chunks: int, BK: int):
+        self.packed, self.num_seqs, self.num_chunks, self.BK = packed, num_seqs, num_chunks, BK
+        n1, item = num_seqs + 1, packed.element_size()
+        base = packed.data_ptr()
+        self.addresses = (base, base + n1 * item, base + 3 * n1 * item, base + (3 * n1 + num_chunks) * item)
+        self.checkpoint_address = base + 2 * n1 * item
 
-    def __post_init__(self):
-        self.addresses = tuple(
-            x.data_ptr() for x in (self.seq_offsets, self.chunk_offsets, self.chunk_seq, self.seq_order)
-        )
+    @cached_property
+    def seq_offsets(self) -> torch.Tensor:
+        return self.packed[: self.num_seqs + 1]
+
+    @cached_property
+    def chunk_offsets(self) -> torch.Tensor:
+        n1 = self.num_seqs + 1
+        return self.packed[n1 : 2 * n1]
+
+    @cached_property
+    def checkpoint_offsets(self) -> torch.Tensor:
+        n1 = self.num_seqs + 1
+        return self.packed[2 * n1 : 3 * n1]
+
+    @cached_property
+    def chunk_seq(self) -> torch.Tensor:
+        n1 = self.num_seqs + 1
+        return self.packed[3 * n1 : 3 * n1 + self.num_chunks]
+
+    @cached_property
+    def seq_order(self) -> torch.Tensor:
+        return self.packed[3 * (self.num_seqs + 1) + self.num_chunks :]
 
 
 _BATCHED: dict[tuple, ChunkTables] = {}
@@ -128,16 +146,7 @@ def build_tables(p, kernels=None, stream: int | None = None) -> ChunkTables:
     N = p.N
     slots = chunk_slots(p.B, p.T, N, varlen)
     packed = torch.empty(3 * (N + 1) + slots + N * p.H, dtype=torch.int64, device=p.q.device)
-    seq_offsets, chunk_offsets, checkpoint_offsets = packed[: 3 * (N + 1)].view(3, N + 1).unbind()
-    tables = ChunkTables(
-        seq_offsets=seq_offsets,
-        chunk_offsets=chunk_offsets,
-        chunk_seq=packed[3 * (N + 1) : 3 * (N + 1) + slots],
-        seq_order=packed[3 * (N + 1) + slots :],
-        checkpoint_offsets=checkpoint_offsets,
-        num_chunks=slots,
-        BK=max(next_power_of_2(p.K), DOT_MIN),
-    )
+    tables = ChunkTables(packed, N, slots, max(next_power_of_2(p.K), DOT_MIN))
     rank = varlen and N <= ORDER_MAX
     if not N:
         packed[: 3 * (N + 1)].zero_()
@@ -161,7 +170,7 @@ def _launch_cuda_builder(p, tables: ChunkTables, rank: bool, kernels, stream: in
             flags |= FLAG_CU_SEQLENS_INT32
     N, slots = p.N, tables.num_chunks
     params = (  # loader.TablesParams, field by field
-        0 if cu is None else cu.data_ptr(), *tables.addresses, tables.checkpoint_offsets.data_ptr(),
+        0 if cu is None else cu.data_ptr(), *tables.addresses, tables.checkpoint_address,
         slots, N, p.T, 0 if cu is not None else p.T, p.H, flags,
     )  # fmt: skip
     device_index = p.q.get_device()

@@ -291,7 +291,7 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
         0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
         0 if o is None else o.data_ptr(), workspace.data_ptr(), *tables.addresses,
-        0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_offsets.data_ptr(),
+        0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_address,
         tables.num_chunks, p.N, p.H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
