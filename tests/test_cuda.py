@@ -463,7 +463,7 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
     output written, nothing outside them; the split entry point is the one launched."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
-    case = cuda_case([0, 17, 1, 33, 300, 1200], 2, layout, "lower_bound", False, True, seed=31)
+    case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, "lower_bound", False, True, seed=31)
     case.initial_state = case.initial_state.to(state_dtype)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
     launched = []
@@ -481,7 +481,7 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
         o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
         h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
         o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
-        ht = h_buf[guard:-guard].view(p.N, p.HV, p.K, p.V)
+        ht = h_buf[guard:-guard].view((p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V))
         run_stages(p, o, ht, torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda"))
         torch.cuda.synchronize()
         assert not o.isnan().any() and not ht.isnan().any(), f"{w}: some outputs were never written"
@@ -526,11 +526,15 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on):
+@pytest.mark.parametrize("width", [None, "2", "4"])
+def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypatch, width):
     """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1, the second with
     v taken as zeros without reading v): each call's outputs are those of the call alone with its
-    v, bit for bit (K2 reads the same workspace either way, and a zero v tile is zeros)."""
+    v, bit for bit (K2 reads the same workspace either way, and a zero v tile is zeros). At the
+    rule's width (K split, for these few pairs) and at the two unsplit ones."""
     from kda.cuda.forward import chunk_forward_runs
+
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", width)
 
     case = cuda_case([0, 17, 1000, 3000], 4, True, "lower_bound", False, True, seed=23)
     q, k, v, g, beta = case.tensors()

@@ -198,6 +198,24 @@ def test_gpu_cuda_builder_across_its_tiles_and_the_order_limit(N):
 
 @pytest.mark.gpu
 @cuda_ready
+@pytest.mark.parametrize("N", [2048, 4095, 4097])
+@pytest.mark.parametrize("int32", [False, True])
+def test_gpu_cuda_builder_carries_the_running_max_across_tiles(N, int32):
+    """Offsets that climb past T in the first tile of 2048 sequences and then fall, go negative
+    and rise again: the clamp and the running max must carry from tile to tile (each walk's scan
+    starts from the previous tile's largest offset), for int32 and int64 cu_seqlens, H = 32 (the
+    head loop of the order's writes goes round more than once). A helper's review, 2026-12-04."""
+    gen = torch.Generator().manual_seed(N + int32)
+    T = 3000
+    cu = torch.randint(-50, T + 200, (N + 1,), generator=gen)
+    cu[:1500] = torch.arange(1500) * 3  # rising through the first tile
+    cu[1500] = T + 100  # past T: clamped to T, and the running max holds it there
+    cu[1501:2100] = torch.randint(-100, 200, (599,), generator=gen)  # below: read as T
+    assert_builders_agree(cu.tolist(), 1, T, 32, torch.int32 if int32 else torch.int64)
+
+
+@pytest.mark.gpu
+@cuda_ready
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 17), (2, 0), (5, 64), (70, 5), (2, 40000)])
 def test_gpu_cuda_builder_batched(B, T):
     assert_builders_agree(None, B, T, 2)

@@ -151,6 +151,8 @@ def build_tables(p, kernels=None, stream: int | None = None) -> ChunkTables:
     if not N:
         packed[: 3 * (N + 1)].zero_()
     elif kernels is not None and p.q.is_cuda:
+        if stream is None:  # (a null handle would be the legacy default stream, not torch's current one)
+            stream = torch.cuda.current_stream(p.q.device).cuda_stream
         _launch_cuda_builder(p, tables, rank, kernels, stream)
     elif p.q.is_cpu and not _interpreting():
         _host_tables(p, tables)

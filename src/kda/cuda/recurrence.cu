@@ -1,10 +1,11 @@
 // K2, recurrence: sequential over the chunks of a sequence, parallel over (sequence, head)
 // pairs and slices of V.
 //
-// A CTA of WARPS consumer warps (plus a producer warp) owns 16 * WARPS rows of the VK state
-// of one (sequence, head); each consumer warp owns 16 rows, S^T [16, 128], in float32
-// mma.sync accumulators for the whole sequence (64 registers a thread). Rows of the VK state
-// evolve independently, so the V split needs no exchange. Per chunk, transposed as in kda/triton/recurrence.py:
+// A CTA of WARPS 16-row groups (plus a producer warp) owns 16 * WARPS rows of the VK state
+// of one (sequence, head); a consumer warp owns a group's 16 rows, S^T [16, 128], in float32
+// mma.sync accumulators for the whole sequence (64 registers a thread), or, where the group's
+// K is split between two warps (recurrence<WARPS, 2>), half of its columns (32 registers).
+// Rows of the VK state evolve independently, so the V split needs no exchange. Per chunk, transposed as in kda/triton/recurrence.py:
 //
 //     U^T      = V^T inverse_beta^T - S^T w^T
 //     S^T_next = S^T Diag(gamma) + U^T k_restored
@@ -12,10 +13,11 @@
 //
 // S^T and U^T are always the left operand, and an accumulator tile is already laid out as
 // the left operand of the next MMA, so the serial chain S -> U -> S stays in registers.
-// The chunk's workspace (14 KB, tiles stored swizzled by K1) and v slice stream into shared
-// memory through a 3-stage pipeline of bulk (TMA) copies on transaction-count mbarriers,
-// issued by one producer warp: the WARPS consumer warps never wait on one another, only on
-// their data (full barriers); the producer waits for a stage to be empty before refilling.
+// The chunk's workspace (14 KB, tiles stored swizzled by K1, one bulk (TMA) copy) and v slice
+// (cp.async pieces) stream into shared memory through a 3-stage pipeline on transaction-count
+// mbarriers, filled by one producer warp: unsplit consumer warps never wait on one another,
+// only on their data (full barriers), and the two warps of a split group meet once a chunk;
+// the producer waits for a stage to be empty before refilling.
 // inverse_beta enters as a bf16 pair (hi + lo) so that U keeps ~16 bits of it.
 // CTAs take (sequence, head) pairs longest sequence first (Params::seq_order).
 #include "kda_cuda.cuh"
@@ -133,8 +135,13 @@ __device__ __forceinline__ void load_state(float (&St)[TILES][4], const Params& 
 
 // The two warps of a split V group (recurrence<WARPS, 2>) meet at named barrier 1 + group
 // (barrier 0 is __syncthreads').
+// (Immediate ids: with the id in a register ptxas reserves all sixteen of the CTA's barriers,
+// which counts against how many CTAs an SM holds; a helper's review, 2026-12-04.)
 __device__ __forceinline__ void pair_barrier(int group) {
-  asm volatile("bar.sync %0, 64;" ::"r"(1 + group) : "memory");
+  if (group == 0)
+    asm volatile("bar.sync 1, 64;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 64;" ::: "memory");
 }
 
 // Columns column..column+15 of a staged row-major [16 tokens, BV] tile (v, or dO for the
@@ -167,8 +174,9 @@ __device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2*
 // The stage pipeline. full[s]: stage s holds its chunk (the producer's arrival plus the copies'
 // bytes); empty[s]: every consumer warp is done reading it. Chunk i uses stage i % STAGES in
 // round i / STAGES; both sides step the stage and the round's parity instead of dividing.
-// Up to two consumer warps every lane releases the stage itself (LANE_RELEASE, also the state
-// products' choice); at four, one lane a warp after __syncwarp(). Both are sound (the warp
+// Up to two 16-row groups every lane releases the stage itself (LANE_RELEASE, also the state
+// products' and the split groups' choice); at four unsplit groups, one lane a warp after
+// __syncwarp(). Both are sound (the warp
 // barrier orders the other lanes' reads before lane 0's release), and they differ in speed and
 // in what racecheck sees (H200, nvcc 13.0, 2026-12-02, runs 35-36, benchmarks/NOTES.md):
 // every-lane release is racecheck-clean and took the 2-warp K2 from 0.557 to 0.518 ms on 1x8192
@@ -234,6 +242,7 @@ struct Pipeline {
 // kernel's (the even steps' sum plus the odd steps', then U^T M^T): the same accuracy, other bits.
 template <int WARPS, int KSPLIT>
 struct Consumers {
+  static_assert(KSPLIT == 1 || (KSPLIT == 2 && WARPS <= 2), "pair_barrier names barriers 1 and 2: two split groups");
   static constexpr int kWarps = WARPS * KSPLIT;
   static constexpr int kTiles = 16 / KSPLIT;  // S^T accumulator tiles a warp holds
   // The pair's exchange, per V group, step parity (two buffers: a warp writes step i + 1's while
@@ -487,7 +496,9 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
 
     // dO^T, as K2's V^T.
     uint32_t aO[4];
-    token_tile_operand(aO, do_tile, Stage<WARPS>::kVRowStride, warp * 16, lane, cs.eos - cs.bos - c * kChunk);
+    // (load_stage loads no rows under kVZero: then dO is zeros, as K2 takes v.)
+    token_tile_operand(aO, do_tile, Stage<WARPS>::kVRowStride, warp * 16, lane,
+                       (p.flags & kVZero) ? 0 : cs.eos - cs.bos - c * kChunk);
     // dO^T M: M row-major [16 j, 16 i] is the right operand as stored (ldmatrix.trans, as K2's
     // k_restored), off the serial chain.
     float D[2][4] = {};
