@@ -13,8 +13,9 @@ is timed as on a GPU.
 
 Not timed here: the CUDA caching allocator (CPU allocations stand in), torch's device and
 stream queries, the driver's own launch work, and the chunk tables. On a GPU those are one
-Triton launch (``kda.tables``); CPU tensors would get them from torch ops instead, which cost
-about 200 us and run nowhere else, so the tables of the first call stand in for every call's.
+launch of the CUDA path's builder (``kda.tables``); CPU tensors would get them from torch ops
+instead, which cost about 200 us and run nowhere else, so the tables of the first call stand
+in for every call's.
 """
 
 import contextlib
@@ -55,7 +56,7 @@ def first_tables():
     """``chunk_tables`` that builds the first call's tables and returns them to every call."""
     built = []
 
-    def tables(p, capturing=None):
+    def tables(p, capturing=None, kernels=None, stream=None):
         if not built:
             built.append(chunk_tables(p))
         return built[0]
