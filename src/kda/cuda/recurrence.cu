@@ -35,13 +35,7 @@ struct Stage {
   static constexpr int kVRowStride = kVRowBytes + 16;
   static constexpr int kBytes = kWorkspaceBytes + kChunk * kVRowStride;
   static constexpr int kOutBytes = kChunk * 16 * 2;  // per warp: O^T staged as [16 tokens, 16 v] bf16
-  static constexpr int kSharedBytes = kStages * kBytes + WARPS * kOutBytes;
 };
-
-// The loader launches each width with abi.recurrence_shared_bytes (kda_abi.h: the same numbers).
-static_assert(Stage<1>::kSharedBytes == recurrence_shared_bytes(1) && Stage<2>::kSharedBytes == recurrence_shared_bytes(2) &&
-                  Stage<4>::kSharedBytes == recurrence_shared_bytes(4),
-              "the recurrence's shared memory per width differs from src/kda/abi.py");
 
 // The producer warp fills a stage: the workspace block in one bulk (TMA) copy, whose bytes the
 // stage's full barrier counts, and the v slice as 16-byte cp.async pieces spread over the 32
@@ -160,14 +154,17 @@ __device__ __forceinline__ void token_tile_operand(uint32_t (&a)[4], const unsig
   }
 }
 
-// S^T Diag(gamma): key channel 8j + 2t (+1) of tile j scaled by gamma, the chunk's whole decay.
-__device__ __forceinline__ void scale_by_gamma(float (&St)[16][4], const float2* gamma, const Lane& lane) {
-  for (int j = 0; j < 16; ++j) {
-    const float2 gm = gamma[4 * j + lane.t];
-    St[j][0] *= gm.x;
-    St[j][1] *= gm.y;
-    St[j][2] *= gm.x;
-    St[j][3] *= gm.y;
+// S^T Diag(gamma): key channel 8j + 2t (+1) of tile j scaled by gamma, the chunk's whole decay;
+// the warp's TILES tiles, tile jl being tile j = tile_of(jl) (as load_state).
+template <int TILES = 16, class TileOf = SameTile>
+__device__ __forceinline__ void scale_by_gamma(float (&St)[TILES][4], const float2* gamma, const Lane& lane,
+                                               TileOf tile_of = TileOf()) {
+  for (int jl = 0; jl < TILES; ++jl) {
+    const float2 gm = gamma[4 * tile_of(jl) + lane.t];
+    St[jl][0] *= gm.x;
+    St[jl][1] *= gm.y;
+    St[jl][2] *= gm.x;
+    St[jl][3] *= gm.y;
   }
 }
 
@@ -248,17 +245,20 @@ struct Consumers {
   // The pair's exchange, per V group, step parity (two buffers: a warp writes step i + 1's while
   // its partner may still read step i's) and warp of the pair: 12 floats a lane, S^T w^T's two
   // n-tiles and the partner's n-tile of S^T q_decayed^T, as three float4 [3][32].
+  static constexpr int kExchangeFloat4s = KSPLIT == 1 ? 0 : 2 * KSPLIT * 3 * 32;  // per V group
   static constexpr int shared_bytes() {
-    return kStages * Stage<WARPS>::kBytes + kWarps * Stage<WARPS>::kOutBytes +
-           (KSPLIT == 1 ? 0 : WARPS * 2 * KSPLIT * 3 * 32 * 16);
+    return kStages * Stage<WARPS>::kBytes + kWarps * Stage<WARPS>::kOutBytes + WARPS * kExchangeFloat4s * 16;
   }
   // Tile jl of this warp's S^T is tile j of the group's: key channels 8j..8j+7.
   __device__ static int tile(int jl, int kh) { return KSPLIT == 1 ? jl : 4 * (jl / 2) + 2 * kh + jl % 2; }
 };
 
-static_assert(Consumers<2, 2>::shared_bytes() == recurrence_shared_bytes(2, 2) &&
-                  Consumers<2, 1>::shared_bytes() == recurrence_shared_bytes(2),
-              "the split recurrence's shared memory differs from src/kda/abi.py");
+// The loader launches each entry point with abi.recurrence_shared_bytes (kda_abi.h: the same numbers).
+static_assert(Consumers<1, 1>::shared_bytes() == recurrence_shared_bytes(1) &&
+                  Consumers<2, 1>::shared_bytes() == recurrence_shared_bytes(2) &&
+                  Consumers<4, 1>::shared_bytes() == recurrence_shared_bytes(4) &&
+                  Consumers<2, 2>::shared_bytes() == recurrence_shared_bytes(2, 2),
+              "the recurrence's shared memory per width differs from src/kda/abi.py");
 
 template <int WARPS, int KSPLIT = 1>
 __device__ __forceinline__ void recurrence(const Params& p) {
@@ -271,11 +271,12 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const ChainSlice<WARPS> cs(p, group);
   const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
+  const auto tile_of = [kh](int jl) { return C::tile(jl, kh); };
 
-  float St[C::kTiles][4];  // S^T rows v_warp..+15; tile jl holds key channels 8j..8j+7, j = C::tile(jl, kh)
+  float St[C::kTiles][4];  // S^T rows v_warp..+15; tile jl holds key channels 8j..8j+7, j = tile_of(jl)
   const StateOffsets state_offset(p, v_warp, lane);
   const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
-  if (warp < C::kWarps) load_state<C::kTiles>(St, p, state_offset, lane, state_base, [kh](int jl) { return C::tile(jl, kh); });
+  if (warp < C::kWarps) load_state(St, p, state_offset, lane, state_base, tile_of);
 
   __shared__ uint64_t full[kStages], empty[kStages];
   // Every lane releases where K is split too (four consumer warps, but no spill at 128
@@ -290,7 +291,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
                                                              warp * Stage<WARPS>::kOutBytes);
   float4* exchange = reinterpret_cast<float4*>(smem + kStages * Stage<WARPS>::kBytes +
                                                C::kWarps * Stage<WARPS>::kOutBytes) +
-                     group * (2 * KSPLIT * 3 * 32);
+                     group * C::kExchangeFloat4s;
 
   // The training forward's checkpoints: the float32 state entering every kCheckpointChunks-th
   // chunk, [rows, H, V, K] (as kda/triton/recurrence.py writes them), this warp's 16 V rows.
@@ -302,7 +303,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     if (checkpoint != nullptr && i % kCheckpointChunks == 0) {
       // Elements e = 0, 1 of tile j are key channels 8j + 2t, +1 of row g; e = 2, 3 row g + 8.
       for (int jl = 0; jl < C::kTiles; ++jl) {
-        const int j = C::tile(jl, kh);
+        const int j = tile_of(jl);
         *reinterpret_cast<float2*>(checkpoint + 8 * j) = make_float2(St[jl][0], St[jl][1]);
         *reinterpret_cast<float2*>(checkpoint + 8 * kHeadDim + 8 * j) = make_float2(St[jl][2], St[jl][3]);
       }
@@ -385,13 +386,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     accumulators_to_operand(aU, U[0], U[1]);
 
     // S^T_next = S^T Diag(gamma) + U^T k_restored (k_restored is row-major: ldmatrix.trans).
-    for (int jl = 0; jl < C::kTiles; ++jl) {
-      const float2 gm = gamma[4 * C::tile(jl, kh) + lane.t];
-      St[jl][0] *= gm.x;
-      St[jl][1] *= gm.y;
-      St[jl][2] *= gm.x;
-      St[jl][3] *= gm.y;
-    }
+    scale_by_gamma(St, gamma, lane, tile_of);
     for (int m = 0; m < 8 / KSPLIT; ++m) {
       const int jp = KSPLIT * m + kh;
       uint32_t bk[4];
@@ -425,7 +420,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   if (p.flags & kStoreHt)
     for (int jl = 0; jl < C::kTiles; ++jl)
       for (int e = 0; e < 4; ++e) {
-        const int64_t at = state_base + state_offset(lane, C::tile(jl, kh), e);
+        const int64_t at = state_base + state_offset(lane, tile_of(jl), e);
         if (p.flags & kHtBfloat16)
           static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[jl][e]);
         else
