@@ -428,26 +428,32 @@ def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
     assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 
 
-@pytest.mark.gpu
-@cuda_ready
-@pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
-def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dtype):
+def run_poisoned(p, layout: bool, state_dtype: torch.dtype, label: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """K1 and K2 of ``p`` into NaN-filled outputs inside NaN guard bands: every output element
+    written, nothing written outside them. ``(o, final state)``."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
-    case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)
-    case.initial_state = case.initial_state.to(state_dtype)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
     guard = 4096
     o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
     h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
     o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
-    state_shape = (p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V)
-    ht = h_buf[guard:-guard].view(state_shape)
+    ht = h_buf[guard:-guard].view((p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V))
     run_stages(p, o, ht, torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
-    assert not o.isnan().any() and not ht.isnan().any(), "some outputs were never written"
+    assert not o.isnan().any() and not ht.isnan().any(), f"{label}some outputs were never written"
     for buf in (o_buf, h_buf):
-        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the output"
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), f"{label}a write landed outside the output"
+    return o, ht
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dtype):
+    case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)
+    case.initial_state = case.initial_state.to(state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
+    o, ht = run_poisoned(p, layout, state_dtype)
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, 5e-3, "o")
     assert_close_fp64(ht, ht_ref, 5e-3, "state")
@@ -461,8 +467,6 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
     is the unsplit kernel's bit for bit (U is, as each warp adds its own half of S^T w^T to its
     partner's), the output within float32 summation order of it and as close to float64; every
     output written, nothing outside them; the split entry point is the one launched."""
-    from kda.cuda.forward import run_stages, workspace_bytes
-
     case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, "lower_bound", False, True, seed=31)
     case.initial_state = case.initial_state.to(state_dtype)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
@@ -477,17 +481,7 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
     results = {}
     for w in ("2", "2k2"):
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", w)
-        guard = 4096
-        o_buf = torch.full((p.T * p.HV * p.V + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
-        h_buf = torch.full((p.N * p.HV * p.K * p.V + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
-        o = o_buf[guard:-guard].view(1, p.T, p.HV, p.V)
-        ht = h_buf[guard:-guard].view((p.N, p.HV, p.V, p.K) if layout else (p.N, p.HV, p.K, p.V))
-        run_stages(p, o, ht, torch.empty(workspace_bytes(p), dtype=torch.uint8, device="cuda"))
-        torch.cuda.synchronize()
-        assert not o.isnan().any() and not ht.isnan().any(), f"{w}: some outputs were never written"
-        for buf in (o_buf, h_buf):
-            assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), f"{w}: a write landed outside"
-        results[w] = o, ht
+        results[w] = run_poisoned(p, layout, state_dtype, f"{w}: ")
     assert launched.count("kda_recurrence_w2k2") == 1 and launched.count("kda_recurrence_w2") == 1, launched
     (o2, ht2), (o_split, ht_split) = results["2"], results["2k2"]
     assert torch.equal(ht_split, ht2)
