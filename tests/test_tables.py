@@ -210,7 +210,8 @@ def test_gpu_cuda_builder_carries_the_running_max_across_tiles(N, int32):
     cu = torch.randint(-50, T + 200, (N + 1,), generator=gen)
     cu[:1500] = torch.arange(1500) * 3  # rising through the first tile
     cu[1500] = T + 100  # past T: clamped to T, and the running max holds it there
-    cu[1501:2100] = torch.randint(-100, 200, (599,), generator=gen)  # below: read as T
+    below = cu[1501:2100]  # (548 entries at N = 2048: the slice ends with the offsets)
+    below.copy_(torch.randint(-100, 200, below.shape, generator=gen))  # below the running max: read as T
     assert_builders_agree(cu.tolist(), 1, T, 32, torch.int32 if int32 else torch.int64)
 
 
