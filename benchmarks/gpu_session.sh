@@ -30,7 +30,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -139,6 +139,9 @@ if [[ $step == *tune* ]]; then  # fla's (and kda's) autotuning for TUNE_CASES, o
 fi
 if [[ " $step " == *" train "* ]]; then  # fwd+bwd against fla (kda bench --train)
   timeout ${TRAIN_TIMEOUT:-400} python3 -m kda bench --train --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench-train.log" 2>&1; tail -40 "$OUT/bench-train.log"
+fi
+if [[ $step == *gaps* ]]; then  # do_bench time against the call's GPU span and host time (benchmarks/call_gaps.py)
+  timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/call_gaps.py ${GAPS_ARGS:-} > "$OUT/call-gaps.log" 2>&1; head -60 "$OUT/call-gaps.log"
 fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
