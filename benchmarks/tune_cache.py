@@ -1,6 +1,7 @@
 """Fill Triton's on-disk autotune cache for `kda bench --train` cases, one process a case, in parallel.
 
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/tune_cache.py 1 2      # TRAIN_CASES[1] and [2]
+    TRITON_CACHE_AUTOTUNING=1 python benchmarks/tune_cache.py a0 l3    # fla's forward: ANCHOR_CASES[0], LONG_CASES[3]
 
 fla 0.6.0 retunes its backward for every new head count (H is a constexpr in its autotune keys) and
 a cold tuning took 270-310 s on the H200 (2026-12-02/03, runs 45-47), almost all of it compiling
@@ -49,14 +50,34 @@ def serialise_timing() -> None:
     autotuner.Autotuner.do_bench = property(lambda self: locked(getattr(self, "_do_bench", None) or default()))
 
 
-def tune_case(index: int) -> None:
+def tune_forward(which: str) -> None:
+    """fla's forward on ``kda bench`` anchor case ``aN`` or ``kda bench --long`` case ``lN``: one
+    call, which tunes it for that case's head count (85 s a new one on the H200, run 80)."""
+    import torch
+
+    from kda.bench import ANCHOR_CASES, contenders, make_inputs
+    from kda.bench_long import LONG_CASES
+
+    serialise_timing()
+    case = (ANCHOR_CASES if which[0] == "a" else LONG_CASES)[int(which[1:])]
+    tensors, kw = make_inputs(case)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        contenders()["fla"](tensors, kw)
+    torch.cuda.synchronize()
+    print(f"{case['name']}: fla first forward {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def tune_case(index: str) -> None:
+    if index[0] in "al":
+        return tune_forward(index)
     import torch
 
     import kda
     from kda.bench import TRAIN_CASES, fwd_bwd, make_inputs, train_contenders, train_inputs
 
     serialise_timing()
-    case = TRAIN_CASES[index]
+    case = TRAIN_CASES[int(index)]
     tensors, kw = make_inputs(case)
     for name, call in train_contenders().items():
         leaves, kw_i, _, grads_out = train_inputs(tensors, kw)
@@ -72,7 +93,7 @@ def tune_case(index: int) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--case"]:
-        tune_case(int(argv[1]))
+        tune_case(argv[1])
         return 0
     if os.environ.get("TRITON_CACHE_AUTOTUNING") != "1":
         print("set TRITON_CACHE_AUTOTUNING=1 (and TRITON_CACHE_DIR): the tuned configs must reach the disk")

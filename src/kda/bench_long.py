@@ -63,9 +63,15 @@ def with_segments(tokens: int, fn):
 
 
 def long_main(args) -> int:
+    from kda.bench import pick_impls
     from kda.reference import relative_rms
 
-    calls = contenders()
+    calls = pick_impls(contenders(), args.impls)
+    if calls is None:
+        return 2
+    # --impls times only the contenders named: no uncut and split rows beside them (a session's
+    # figures against fla at 2M tokens, without ten more timed variants; run 83, 2026-12-04)
+    splits = args.impls is None
     report, copy_tbps, stem = report_header(
         f"median of triton.testing.do_bench (warmup 25 ms, rep {REP_MS} ms), same inputs, same process",
         __doc__.split("Inputs as ")[1].split(" fla may")[0].strip(),
@@ -84,7 +90,7 @@ def long_main(args) -> int:
             for name, call in calls.items():
                 row["ms"][name] = timed(lambda call=call: call(tensors, kw))
                 print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms", flush=True)
-            if "kda-cuda" in calls:  # kda-cuda as dispatched (the automatic split where it applies), and uncut
+            if splits and "kda-cuda" in calls:  # kda-cuda as dispatched (split where it applies), and uncut
                 uncut = with_segments(0, lambda: calls["kda-cuda"](tensors, kw))
                 row["ms"]["kda-cuda-uncut"] = timed(uncut)
                 print(f"  {case['name']} kda-cuda-uncut: {row['ms']['kda-cuda-uncut']:.3f} ms", flush=True)
