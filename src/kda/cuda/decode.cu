@@ -173,8 +173,27 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   int64_t trace_c[4] = {};
 #endif
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
-  const int64_t pair = blockIdx.x / kSlices;
-  const int64_t HV = p.value_heads, n = pair / HV, i_hv = pair % HV, i_h = i_hv / (HV / p.heads);
+  // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
+  // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
+  // subroutine, and three of them, one after another, stood between a CTA's start and its slot
+  // index load and state copy (cuobjdump of kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K]
+  // slices of 64 columns keep them: with the 32-bit ones ptxas spilled 76 B in the token loop at
+  // their five CTAs an SM (nvcc 13.0, 2026-12-04).
+  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
+  const int64_t HV = p.value_heads;
+  int64_t n, i_hv, i_h;
+  if constexpr (kDivide64) {
+    const int64_t pair = blockIdx.x / kSlices;
+    n = pair / HV;
+    i_hv = pair % HV;
+    i_h = i_hv / (HV / p.heads);
+  } else {
+    const uint32_t pair = blockIdx.x / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
+    const uint32_t i_hv32 = pair - n32 * heads_v;
+    n = n32;
+    i_hv = i_hv32;
+    i_h = i_hv32 / (heads_v / uint32_t(p.heads));
+  }
   const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
   const bool idx64 = flags & kIndicesInt64;
 
