@@ -7,8 +7,10 @@ records the start event and calls. When the call's host code before its first la
 longer than that zeroing, the GPU idles inside the timed span. Per case and contender:
 
 - ``bench``: the do_bench median, as ``kda bench`` takes it;
-- ``gpu``: the same loop with ``torch.cuda._sleep`` queued after the flush, so the host has
-  queued the whole call before the start event: the call's own GPU span (cold L2);
+- ``gpu``: the same loop with ``torch.cuda._sleep`` queued before the flush, so the host has
+  queued the whole call before the start event: the call's own GPU span (cold L2). (Run 81,
+  2026-12-04, queued the sleep after the flush, which also left the GPU idle between the flush
+  and the call: what the flush's dirty L2 lines cost the call then counted as host time.)
 - ``host``: the host time of a call while the GPU is busy (no back-pressure);
 - ``flush``: the GPU time of the flush alone.
 
@@ -21,6 +23,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -36,9 +39,9 @@ def median_ms(fn, flush: torch.Tensor, reps: int, hide_host: bool) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        flush.zero_()
-        if hide_host:
+        if hide_host:  # before the flush, so that the GPU runs flush, start, call back to back as in do_bench
             torch.cuda._sleep(SLEEP_CYCLES)
+        flush.zero_()
         starts[i].record()
         fn()
         ends[i].record()
@@ -69,6 +72,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     calls = bench.pick_impls(bench.contenders(), args.impls)
+    if calls is None:  # (pick_impls said which are missing)
+        sys.exit(2)
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")  # do_bench's size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"flush: {flush_ms(flush):.4f} ms")

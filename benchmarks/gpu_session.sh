@@ -25,7 +25,7 @@ save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar 
 # (nullglob: no .csv must not stop the removal, as pipefail made a failed `ls` do in run 29)
 # The archive is named by the steps (logs-decode-sanitize.tgz), so that a device call running this script
 # several times keeps every run's logs (run 84's single logs.tgz kept only the last run's).
-pack_logs() { (cd "$OUT" && shopt -s nullglob && f=(*.log *.csv) && ((${#f[@]})) && tar czf "logs-${step// /-}.tgz" "${f[@]}" && rm -f "${f[@]}"); }
+pack_logs() { (cd "$OUT" && shopt -s nullglob && f=(*.log *.csv) && ((${#f[@]})) && step=${step:-all} && tar czf "logs-${step// /-}.tgz" "${f[@]}" && rm -f "${f[@]}"); }
 trap 'save_autotune; pack_logs' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 step=${1:-all}

@@ -203,8 +203,10 @@ def test_gpu_cuda_builder_across_its_tiles_and_the_order_limit(N):
 def test_gpu_cuda_builder_carries_the_running_max_across_tiles(N, int32):
     """Offsets that climb past T in the first tile of 2048 sequences and then fall, go negative
     and rise again: the clamp and the running max must carry from tile to tile (each walk's scan
-    starts from the previous tile's largest offset), for int32 and int64 cu_seqlens, H = 32 (the
-    head loop of the order's writes goes round more than once). A helper's review, 2026-12-04."""
+    starts from the previous tile's largest offset; N = 4095 and 4097 cross into a second tile,
+    N = 2048 is one full tile whose last offset closes the walk), for int32 and int64 cu_seqlens,
+    H = 32 (the head loop of the order's writes goes round more than once). A helper's review,
+    2026-12-04."""
     gen = torch.Generator().manual_seed(N + int32)
     T = 3000
     cu = torch.randint(-50, T + 200, (N + 1,), generator=gen)

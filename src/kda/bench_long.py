@@ -71,7 +71,7 @@ def long_main(args) -> int:
         return 2
     # --impls times only the contenders named: no uncut and split rows beside them (a session's
     # figures against fla at 2M tokens, without ten more timed variants; run 83, 2026-12-04)
-    splits = args.impls is None
+    splits = not args.impls
     report, copy_tbps, stem = report_header(
         f"median of triton.testing.do_bench (warmup 25 ms, rep {REP_MS} ms), same inputs, same process",
         __doc__.split("Inputs as ")[1].split(" fla may")[0].strip(),
