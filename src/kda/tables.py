@@ -79,33 +79,36 @@ class ChunkTables:
 
     def __init__(self, packed: torch.Tensor, num_seqs: int, num_chunks: int, BK: int):
         self.packed, self.num_seqs, self.num_chunks, self.BK = packed, num_seqs, num_chunks, BK
-        n1, item = num_seqs + 1, packed.element_size()
-        base = packed.data_ptr()
-        self.addresses = (base, base + n1 * item, base + 3 * n1 * item, base + (3 * n1 + num_chunks) * item)
-        self.checkpoint_address = base + 2 * n1 * item
+        n1 = num_seqs + 1
+        # Where each table starts in ``packed`` (elements), in its order, then seq_order's end:
+        # the one account of the layout, which the addresses and the views both read.
+        self.starts = starts = (0, n1, 2 * n1, 3 * n1, 3 * n1 + num_chunks, packed.numel())
+        base, item = packed.data_ptr(), packed.element_size()
+        self.addresses = (base, base + starts[1] * item, base + starts[3] * item, base + starts[4] * item)
+        self.checkpoint_address = base + starts[2] * item
+
+    def _table(self, i: int) -> torch.Tensor:
+        return self.packed[self.starts[i] : self.starts[i + 1]]
 
     @cached_property
     def seq_offsets(self) -> torch.Tensor:
-        return self.packed[: self.num_seqs + 1]
+        return self._table(0)
 
     @cached_property
     def chunk_offsets(self) -> torch.Tensor:
-        n1 = self.num_seqs + 1
-        return self.packed[n1 : 2 * n1]
+        return self._table(1)
 
     @cached_property
     def checkpoint_offsets(self) -> torch.Tensor:
-        n1 = self.num_seqs + 1
-        return self.packed[2 * n1 : 3 * n1]
+        return self._table(2)
 
     @cached_property
     def chunk_seq(self) -> torch.Tensor:
-        n1 = self.num_seqs + 1
-        return self.packed[3 * n1 : 3 * n1 + self.num_chunks]
+        return self._table(3)
 
     @cached_property
     def seq_order(self) -> torch.Tensor:
-        return self.packed[3 * (self.num_seqs + 1) + self.num_chunks :]
+        return self._table(4)
 
 
 _BATCHED: dict[tuple, ChunkTables] = {}
