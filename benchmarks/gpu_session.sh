@@ -32,7 +32,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -144,6 +144,10 @@ if [[ " $step " == *" train "* ]]; then  # fwd+bwd against fla (kda bench --trai
 fi
 if [[ $step == *gaps* ]]; then  # do_bench time against the call's GPU span and host time (benchmarks/call_gaps.py)
   timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/call_gaps.py ${GAPS_ARGS:-} > "$OUT/call-gaps.log" 2>&1; head -60 "$OUT/call-gaps.log"
+fi
+if [[ $step == *blocksab* ]]; then  # K1 beside K2 in time blocks against the uncut launch (benchmarks/blocks_ab.py)
+  timeout ${BLOCKS_TIMEOUT:-300} python3 benchmarks/blocks_ab.py ${BLOCKS_ARGS:-} > "$OUT/blocks-ab.log" 2>&1
+  grep -v '^{' "$OUT/blocks-ab.log" | tail -70; grep '^{' "$OUT/blocks-ab.log" > "$OUT/blocks-ab.jsonl"
 fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"

@@ -546,6 +546,127 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypa
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
 
 
+def one_sequence_case(T, H, layout, with_state, state_dtype, seed, varlen=False):
+    """One sequence of T tokens, batched (B = 1) or as varlen with cu_seqlens [0, T] (and its host copy)."""
+    case = make_case(seq_lens=[T] if varlen else None, B=1, T=T, H=H, K=128, V=128, dtype=torch.bfloat16,
+                     gate="lower_bound", state_v_first=layout, with_state=with_state, device="cuda",
+                     seed=seed)  # fmt: skip
+    if with_state:
+        case.initial_state = case.initial_state.to(state_dtype)
+    kw = case.kwargs(final_state_dtype=state_dtype)
+    if varlen:
+        kw["cu_seqlens_cpu"] = case.cu_seqlens.cpu()
+    return case, kw
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize(
+    "T,H,blocks,layout,state_dtype,with_state,varlen",
+    [(100, 2, 3, False, torch.float32, True, False), (1000, 4, 4, True, torch.bfloat16, True, True),
+     (4096, 1, 8, True, torch.float32, False, False), (777, 3, 100, False, torch.bfloat16, True, True)],
+)  # fmt: skip
+def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
+    cuda_on, switches, T, H, blocks, layout, state_dtype, with_state, varlen
+):
+    """K1 beside K2 in time blocks (KDA_CUDA_BLOCKS), batched and as one varlen sequence: the
+    blocks' chunks are the uncut call's and
+    K2 carries its float32 state across them as within one block, so o and the final state are the
+    uncut call's bit for bit, read on the current stream straight after the call (which must wait
+    for the recurrence stream). Through the test hook into NaN-poisoned outputs inside guard
+    bands: every element written, nothing outside; and within the fp64 bound."""
+    from kda.cuda.forward import block_bounds, run_blocks
+
+    case, kw = one_sequence_case(T, H, layout, with_state, state_dtype, seed=40 + T, varlen=varlen)
+    switches("KDA_CUDA_BLOCKS", "1")
+    with kda.record_dispatch() as uncut_events:
+        o_uncut, ht_uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    assert not any(e.startswith("cuda:blocks") for e in uncut_events), uncut_events
+    switches("KDA_CUDA_BLOCKS", str(blocks))
+    count = len(block_bounds(T, blocks))
+    with kda.record_dispatch() as events:
+        o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    assert events == ["chunk_kda -> cuda", f"cuda:blocks:{count}", *["cuda:prepare", "cuda:recurrence"] * count]
+    assert torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut)
+
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
+    guard = 4096
+    o_buf = torch.full((T * H * 128 + 2 * guard,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    h_buf = torch.full((H * 128 * 128 + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
+    o_poisoned = o_buf[guard:-guard].view(1, T, H, 128)
+    ht_poisoned = h_buf[guard:-guard].view(p.state_shape)
+    run_blocks(p, o_poisoned, ht_poisoned, blocks)
+    for buf in (o_buf, h_buf):
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the output"
+    assert torch.equal(o_poisoned, o_uncut) and torch.equal(ht_poisoned, ht_uncut), "an output was not written"
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o, o_ref, 5e-3, "o")
+    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_time_blocks_step_aside_under_graph_capture(cuda_on, switches):
+    """A capture takes the uncut launch even where KDA_CUDA_BLOCKS asks for blocks (the second
+    stream's fork is not captured), and its replay equals the eager, blocked call bit for bit."""
+    switches("KDA_CUDA_BLOCKS", "4")
+    case, kw = one_sequence_case(1000, 2, True, True, torch.float32, seed=48, varlen=True)
+    with kda.record_dispatch() as eager_events:
+        eager, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    assert "cuda:blocks:4" in eager_events, eager_events
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with kda.record_dispatch() as captured_events, torch.cuda.graph(graph, stream=stream):
+        captured, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    assert not any(e.startswith("cuda:blocks") for e in captured_events), captured_events
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threads(cuda_on, switches):
+    """A sequence of PIPELINE_MIN_TOKENS with two heads takes the blocks by the rule (the dispatch
+    log says how many), equals the uncut call bit for bit, and so do calls from two threads at
+    once, each on its own stream (each stream has its own recurrence stream)."""
+    import threading
+
+    from kda.cuda.forward import PIPELINE_BLOCK_TOKENS, PIPELINE_MIN_TOKENS
+
+    case, kw = one_sequence_case(PIPELINE_MIN_TOKENS, 2, True, True, torch.float32, seed=47, varlen=True)
+    switches("KDA_CUDA_BLOCKS", "1")
+    o_uncut, ht_uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    switches("KDA_CUDA_BLOCKS", None)
+    with kda.record_dispatch() as events:
+        o, ht = kda.chunk_kda(*case.tensors(), **kw)
+    assert f"cuda:blocks:{PIPELINE_MIN_TOKENS // PIPELINE_BLOCK_TOKENS}" in events, events
+    assert torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut)
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    results[i] = kda.chunk_kda(*case.tensors(), **kw)
+                    ok = torch.equal(results[i][0], o_uncut) and torch.equal(results[i][1], ht_uncut)
+                    errors.extend([] if ok else [f"thread {i} differs from the uncut call"])
+            stream.synchronize()
+        except Exception as error:  # surfaced below: a thread's exception would otherwise vanish
+            errors.append(repr(error))
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    assert len(results) == 2
+
+
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):

@@ -218,6 +218,105 @@ def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypat
     assert not first.flags & forward.FLAG_V_ZERO and second.flags == first.flags | forward.FLAG_V_ZERO
 
 
+class FakeStream:
+    """A torch stream as forward.stream_pair hands it out: its handle, and its waits logged
+    beside the launches made so far (``("wait", waiter, signaller, launches)``)."""
+
+    def __init__(self, handle: int, log: list, libcuda: FakeLibcuda):
+        self.cuda_stream, self.log, self.libcuda = handle, log, libcuda
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.log.append(("wait", self.cuda_stream, other.cuda_stream, len(self.libcuda.calls)))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kernels, monkeypatch, state_dtype):
+    """KDA_CUDA_BLOCKS=3 on 100 tokens: blocks of 48, 48 and 4 tokens. K1 of each block on the
+    current stream, then the recurrence stream waits for it and K2 of the block runs there; the
+    current stream waits for the recurrence stream last. Each block's Params hold its slice of
+    every input and of o, its own part of one workspace, the state the block before wrote (the
+    caller's for the first) and the next block's state (the caller's final state for the last)."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    log = []
+    streams = lambda index, stream: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
+    monkeypatch.setattr(forward, "stream_pair", streams)
+    case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=41)
+    case.initial_state = case.initial_state.to(state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
+    with kda.record_dispatch() as events:
+        o, ht = forward.chunk_forward(p)
+    assert events == ["cuda:blocks:3", *["cuda:prepare", "cuda:recurrence"] * 3], events
+    assert log == [("wait", 0x6000, 0x5000, 1), ("wait", 0x6000, 0x5000, 3), ("wait", 0x6000, 0x5000, 5),
+                   ("wait", 0x5000, 0x6000, 6)]  # fmt: skip
+    prepare = int(kernels.kernels[abi.PREPARE_KERNEL])
+    flags = loader.FLAGS
+    state_bits = flags["h0_bfloat16"] if state_dtype == torch.bfloat16 else 0
+    blocks = [(0, 3), (48, 3), (96, 1)]  # (first token, chunks)
+    previous_ht = p.initial_state.data_ptr()
+    workspace = None
+    for i, (t0, chunks) in enumerate(blocks):
+        (k1_args, k1), (k2_args, k2) = libcuda.calls[2 * i : 2 * i + 2]
+        assert bytes(k1) == bytes(k2)
+        assert k1_args[0] == prepare and k1_args[1:3] == (chunks, 2) and k1_args[8] == 0x5000
+        assert k2_args[0] != prepare and k2_args[8] == 0x6000
+        for name, x, width in (("q", p.q, 2 * 128), ("k", p.k, 2 * 128), ("v", p.v, 2 * 128), ("g", p.g, 2 * 128),
+                               ("beta", p.beta, 2), ("o", o, 2 * 128)):  # fmt: skip
+            assert getattr(k1, name) == x.data_ptr() + t0 * width * x.element_size(), name
+        assert (k1.num_chunks, k1.num_seqs, k1.heads) == (chunks, 1, 2)
+        assert k1.seq_offsets != 0 and k1.chunk_offsets != 0
+        assert k1.h0 == previous_ht, f"block {i} starts from the state block {i - 1} wrote"
+        last = i == len(blocks) - 1
+        assert (k1.ht == ht.data_ptr()) == last and k1.ht not in (k1.h0, p.initial_state.data_ptr())
+        want = flags["has_h0"] | flags["store_ht"] | (state_bits if i == 0 else 0)
+        want |= (flags["ht_bfloat16"] if state_dtype == torch.bfloat16 else 0) if last else 0
+        assert k1.flags & (want | state_bits | flags["ht_bfloat16"] | flags["has_h0"] | flags["store_ht"]) == want
+        if workspace is not None:
+            assert k1.workspace == workspace + 3 * 2 * loader.WORKSPACE_BYTES, "each block its own part"
+        workspace, previous_ht = k1.workspace, k1.ht
+    assert len(libcuda.calls) == 6
+
+
+def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
+    """forward.pipeline_blocks: one sequence (B = 1, cu_seqlens None or checked as [0, T]) of at
+    least PIPELINE_MIN_TOKENS whose recurrence takes at most one CTA an SM, outside capture and
+    training; KDA_CUDA_BLOCKS
+    forces a count wherever the call qualifies, 1 turns it off, anything else is refused."""
+    from types import SimpleNamespace as P
+
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", None)
+    blocks = forward.pipeline_blocks
+
+    def seq(B=1, N=1, H=32, T=32768, cu=None, values=None):
+        return P(B=B, N=N, H=H, T=T, cu_seqlens=cu, cu_seqlens_values=values)
+
+    long, cu = seq(), torch.tensor([0, 32768])
+    assert blocks(long, 132, False, False) == 32768 // forward.PIPELINE_BLOCK_TOKENS
+    assert blocks(seq(cu=cu, values=(0, 32768)), 132, False, False) == 32768 // forward.PIPELINE_BLOCK_TOKENS
+    assert blocks(seq(T=forward.PIPELINE_MIN_TOKENS - 1), 132, False, False) == 1
+    assert blocks(seq(H=67), 132, False, False) == 1  # two recurrence CTAs an SM
+    assert blocks(seq(B=2, N=2), 132, False, False) == 1
+    assert blocks(seq(cu=cu), 132, False, False) == 1  # lengths never checked on the host
+    assert blocks(seq(N=2, cu=torch.tensor([0, 16384, 32768]), values=(0, 16384, 32768)), 132, False, False) == 1
+    assert blocks(long, 132, True, False) == 1 and blocks(long, 132, False, True) == 1
+    for override, T, want in (("1", 32768, 1), ("5", 100, 5), ("50", 100, 7), ("3", 16, 1)):
+        monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", override)
+        assert blocks(seq(H=96, T=T), 132, False, False) == want, override
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    assert blocks(seq(B=2, N=2, H=2, T=100), 132, False, False) == 1
+    for bad in ("0", "-1", "x", ""):
+        monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", bad)
+        with pytest.raises(ValueError, match="KDA_CUDA_BLOCKS"):
+            blocks(long, 132, False, False)
+    for T, count in ((100, 3), (100, 50), (4096, 8), (4097, 8), (16, 4), (33, 2)):
+        bounds = forward.block_bounds(T, count)
+        assert len(bounds) <= count and bounds[0][0] == 0 and bounds[-1][1] == T
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(t0 % abi.CHUNK == 0 for t0, _ in bounds)
+        assert all(t1 > t0 for t0, t1 in bounds)
+    assert forward.block_bounds(100, 3) == [(0, 48), (48, 96), (96, 100)]
+
+
 def test_shared_runs_refuse_calls_that_differ_in_what_k1_reads():
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
     q, k, v, g, beta = case.tensors()

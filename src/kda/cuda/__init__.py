@@ -13,7 +13,8 @@ reverse chain and state products here too where the gate is the safe lower-bound
 backward's local gradients run on Triton (:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
-(``forward.recurrence_width``); ``KDA_CUDA_BACKWARD_CHAIN=0`` keeps a training backward's reverse
+(``forward.recurrence_width``); ``KDA_CUDA_BLOCKS`` the time blocks of a long sequence
+whose K1 runs beside K2 (``forward.pipeline_blocks``); ``KDA_CUDA_BACKWARD_CHAIN=0`` keeps a training backward's reverse
 chain on Triton (its prepare stage and chain) after a forward here; ``KDA_CUDA_STATE_PRODUCTS=0``
 keeps its state products on Triton after the CUDA chain. All are read once, at import
 (:func:`read_switches`).
@@ -46,16 +47,20 @@ BACKWARD_CHAIN = True
 # After the CUDA reverse chain, the state products on CUDA too (KDA_CUDA_STATE_PRODUCTS=0: the
 # Triton kernels, on K1's workspace): kda.cuda.training.state_products.
 STATE_PRODUCTS = True
+# KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
+# (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
+BLOCKS_OVERRIDE: str | None = None
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BACKWARD_CHAIN`` and
-    ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment read
-    costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``
+    and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
+    read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
     against a host budget of 40 us a call. Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
+    BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -9,7 +10,7 @@ import torch
 import kda.cuda as switches
 from kda import abi
 from kda.cuda import loader
-from kda.dispatch import note, on_device
+from kda.dispatch import log_once, note, on_device
 from kda.tables import chunk_slots, chunk_tables
 from kda.validation import Problem
 
@@ -43,6 +44,65 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
             f"got {override!r}"
         )
     return RECURRENCE_OVERRIDES[override]
+
+
+# K1 beside K2 (pipeline_blocks): a long single sequence whose recurrence grid leaves most of
+# every SM idle (K2's chains: one CTA an SM or fewer) is cut into time blocks; K1 of block i + 1
+# runs on the current stream while K2 of block i runs on a high-priority stream beside it, and
+# each K2 starts from the state the one before it wrote (float32, as K2 carries it).
+PIPELINE_BLOCK_TOKENS = 4096  # tokens a block under the rule (whole chunks)
+PIPELINE_MIN_TOKENS = 16384  # no blocks below this length
+
+
+def one_sequence(p: Problem) -> bool:
+    """Whether ``p`` is one sequence filling its inputs (B = 1, and no cu_seqlens or checked ones
+    of ``[0, T]``): a time block is then a contiguous slice of every input."""
+    return p.B == 1 and (p.cu_seqlens is None or p.cu_seqlens_values == (0, p.T))
+
+
+def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) -> int:
+    """Time blocks for ``p``'s K1 to run beside its K2 (1: K1 over the whole call, then K2).
+    Only for one sequence (:func:`one_sequence`), outside CUDA graph capture (the fork onto a
+    second stream is not captured) and without training checkpoints. The rule: sequences of at
+    least :data:`PIPELINE_MIN_TOKENS` whose recurrence takes at most one CTA an SM
+    (``recurrence_width``'s two-warp split-K case), in blocks of :data:`PIPELINE_BLOCK_TOKENS`.
+    ``KDA_CUDA_BLOCKS`` (a count >= 1; 1 turns it off) overrides the rule wherever the call
+    qualifies."""
+    override = switches.BLOCKS_OVERRIDE
+    if override is not None:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"KDA_CUDA_BLOCKS must be a whole number >= 1 (time blocks; 1: off), got {override!r}")
+        wanted = int(override)
+    elif sms >= 2 * p.N * p.H and p.T >= PIPELINE_MIN_TOKENS:
+        wanted = -(-p.T // PIPELINE_BLOCK_TOKENS)
+    else:
+        wanted = 1
+    if wanted <= 1 or capturing or checkpoints or not one_sequence(p):
+        return 1
+    return min(wanted, -(-p.T // abi.CHUNK))
+
+
+def block_bounds(T: int, blocks: int) -> list[tuple[int, int]]:
+    """``[(t0, t1), ...]``: ``T`` tokens in at most ``blocks`` blocks of whole chunks (the last
+    takes the rest), so that every chunk of the uncut call is a chunk of one block."""
+    span = -(-T // (blocks * abi.CHUNK)) * abi.CHUNK
+    return [(t0, min(t0 + span, T)) for t0 in range(0, T, span)]
+
+
+# The recurrence's stream for each (device, stream) whose calls run K1 beside K2: the highest
+# priority, so that K2's CTAs take the SM slots K1's free first (K1's are many and short, K2's
+# few and long: a K2 CTA waiting behind K1's would hold its chain back).
+_recurrence_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def stream_pair(device_index: int, stream: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """``(the current stream, its recurrence stream)`` of ``device_index`` as torch streams."""
+    key = (device_index, stream)
+    side = _recurrence_streams.get(key)
+    if side is None:
+        _, highest = torch.cuda.Stream.priority_range()
+        side = _recurrence_streams[key] = torch.cuda.Stream(device_index, priority=highest)
+    return torch.cuda.current_stream(device_index), side
 
 
 @functools.cache
@@ -133,11 +193,65 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     ``checkpoints`` (float32 ``[rows, H, V, K]``, kda.triton.training.checkpoint_shape) K2
     also writes the training forward's state checkpoints there."""
     kernels, device_index, stream, capturing = _launch_context(p)
-    o, ht = _outputs(p)
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
-        return o, ht
+        return _outputs(p)
+    blocks = pipeline_blocks(p, sm_count(device_index), capturing, checkpoints is not None)
+    if blocks > 1:
+        return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream)
+    o, ht = _outputs(p)
     tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
     _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
+    return o, ht
+
+
+def run_blocks(p: Problem, o: torch.Tensor, ht: torch.Tensor | None, blocks: int) -> tuple:
+    """K1 beside K2 in ``blocks`` time blocks into given outputs, whatever the rule says (tests:
+    poisoned outputs; the call path is :func:`chunk_forward`, through :func:`pipeline_blocks`).
+    ``p``: one sequence (:func:`one_sequence`)."""
+    if not one_sequence(p):
+        raise ValueError(f"run_blocks: one sequence only (B = 1, cu_seqlens None or [0, T]), got B={p.B}, N={p.N}")
+    kernels, device_index, stream, _ = _launch_context(p)
+    return _run_blocks(p, o, ht, blocks, kernels, device_index, stream)
+
+
+def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stream: int) -> tuple:
+    """:func:`chunk_forward` of one sequence in time blocks (:func:`pipeline_blocks`), each a
+    batched call of B = 1:
+    K1 of every block on the current stream, K2 of each on the recurrence stream once its K1 is
+    done, reading the state the previous block's K2 wrote. The blocks' chunks are the uncut
+    call's and K2 carries the state in float32 from one block to the next as within one, so the
+    result is the uncut call's bit for bit (tests/test_cuda.py). Every buffer is allocated on the
+    current stream, which waits for the recurrence stream before it returns: later work there
+    (and the allocator's reuse of these buffers) comes after the last K2."""
+    bounds = block_bounds(p.T, blocks)
+    # The state between blocks: two buffers, as K2 of block i reads one while it writes the other.
+    carries = [p.q.new_empty(p.state_shape, dtype=torch.float32) for _ in range(min(2, len(bounds) - 1))]
+    parts = []
+    for i, (t0, t1) in enumerate(bounds):
+        last = i == len(bounds) - 1
+        h0 = p.initial_state if i == 0 else carries[(i - 1) % 2]
+        ht_i = ht if last else carries[i % 2]
+        part = dataclasses.replace(
+            p, q=p.q[:, t0:t1], k=p.k[:, t0:t1], v=p.v[:, t0:t1], g=p.g[:, t0:t1], beta=p.beta[:, t0:t1],
+            T=t1 - t0, initial_state=h0, output_final_state=ht_i is not None,
+            cu_seqlens=None, cu_seqlens_cpu=None, cu_seqlens_values=None,
+        )  # fmt: skip
+        parts.append((part, o[:, t0:t1], ht_i))
+    with on_device(device_index):
+        tables = [chunk_tables(part, False, kernels, stream) for part, _, _ in parts]
+    sizes = [workspace_bytes(part, t) for (part, _, _), t in zip(parts, tables)]
+    workspace = p.q.new_empty(sum(sizes), dtype=torch.uint8)  # every block's own: K1 runs ahead of K2
+    current, side = stream_pair(device_index, stream)
+    log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
+    note(f"cuda:blocks:{len(bounds)}")
+    offset = 0
+    for (part, o_i, ht_i), t, size in zip(parts, tables, sizes):
+        block = workspace[offset : offset + size]
+        offset += size
+        _launch(part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False)
+        side.wait_stream(current)  # this block's K1, and before it the inputs, initial state and tables
+        _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False)
+    current.wait_stream(side)
     return o, ht
 
 
@@ -298,10 +412,12 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
 
 
 def _launch(
-    p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0
-) -> None:
-    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (writing
-    ``checkpoints`` where given; ``extra_bits``: further flags, such as v_zero)."""
+    p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0,
+    run_recurrence=True,
+) -> None:  # fmt: skip
+    """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (unless
+    ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
+    flags, such as v_zero)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
@@ -315,6 +431,8 @@ def _launch(
         if num_chunks and run_prepare:
             kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
+        if not run_recurrence:
+            return
         grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
         threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]

@@ -1,0 +1,98 @@
+"""K1 beside K2 in time blocks (kda.cuda.forward.pipeline_blocks) against the uncut launch, in one
+process, beside fla on the same inputs (device runs):
+
+python benchmarks/blocks_ab.py [--cases NAMES] [--blocks 1,4,8,16,32,auto] [--widths auto,2]
+
+Per case (one sequence, inputs as ``kda bench``), per K2 width (``KDA_CUDA_WARPS``; auto: the
+rule) and per ``KDA_CUDA_BLOCKS`` value (auto: the rule, whose count the dispatch log gives):
+the do_bench median and whether o and the final state equal the uncut call's bit for bit; fla's
+median where its autotune cache holds the head count (--fla-heads). One JSON line per case, then
+a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton.testing
+
+import kda
+import kda.cuda
+from kda import bench
+
+CASES = {
+    "1x32768 H32": {"seq_lens": [32768], "H": 32},
+    "1x131072 H32": {"seq_lens": [131072], "H": 32},
+    "1x8192 H64": {"seq_lens": [8192], "H": 64},
+    "1x8192 H96": {"seq_lens": [8192], "H": 96},
+    "1x65536 H16": {"seq_lens": [65536], "H": 16},
+}
+
+
+def switch(name: str, value: str | None) -> None:
+    if value is None or value == "auto":
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    kda.cuda.read_switches()
+
+
+def timed(fn, rep: int) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def measure(name: str, args, fla, fla_heads: set[int]) -> dict:
+    case = dict(CASES[name], name=name)
+    tensors, kw = bench.make_inputs(case)
+    row = {"case": name, "ms": {}, "same": {}, "dispatch": {}}
+    if fla is not None and case["H"] in fla_heads:
+        fla(tensors, kw)
+        row["fla"] = timed(lambda: fla(tensors, kw), args.rep)
+    for width in args.widths.split(","):
+        switch("KDA_CUDA_WARPS", width)
+        switch("KDA_CUDA_BLOCKS", "1")
+        o_uncut, ht_uncut = kda.chunk_kda(*tensors, backend="cuda", **kw)
+        for blocks in args.blocks.split(","):
+            switch("KDA_CUDA_BLOCKS", blocks)
+            label = f"w{width} b{blocks}"
+            with kda.record_dispatch() as events:
+                o, ht = kda.chunk_kda(*tensors, backend="cuda", **kw)
+            row["dispatch"][label] = next((e for e in events if e.startswith("cuda:blocks")), "uncut")
+            row["same"][label] = bool(torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut))
+            row["ms"][label] = timed(lambda: kda.chunk_kda(*tensors, backend="cuda", **kw), args.rep)
+    switch("KDA_CUDA_WARPS", None)
+    switch("KDA_CUDA_BLOCKS", None)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--blocks", default="1,4,8,16,32,auto")
+    parser.add_argument("--widths", default="auto")
+    parser.add_argument("--fla-heads", default="32,64,96", help="head counts fla's autotune cache holds")
+    parser.add_argument("--rep", type=int, default=500)
+    args = parser.parse_args()
+    fla = bench.contenders().get("fla")
+    fla_heads = {int(h) for h in args.fla_heads.split(",") if h}
+    rows = []
+    for name in args.cases.split(","):
+        rows.append(measure(name, args, fla, fla_heads))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    print("| case | variant | dispatch | ms | / uncut | / fla | bits |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for row in rows:
+        for label, ms in row["ms"].items():
+            uncut = row["ms"].get(label.split(" ")[0] + " b1", float("nan"))
+            fla_ratio = f"{ms / row['fla']:.3f}" if "fla" in row else "-"
+            print(f"| {row['case']} | {label} | {row['dispatch'][label]} | {ms:.3f} | {ms / uncut:.3f} | {fla_ratio} | "
+                  f"{'same' if row['same'][label] else 'DIFFERENT'} |")  # fmt: skip
+        if "fla" in row:
+            print(f"| {row['case']} | fla | | {row['fla']:.3f} | | 1.000 | |")
+
+
+if __name__ == "__main__":
+    main()
