@@ -1,7 +1,7 @@
 """K1 beside K2 in time blocks (kda.cuda.forward.pipeline_blocks) against the uncut launch, in one
 process, beside fla on the same inputs (device runs):
 
-python benchmarks/blocks_ab.py [--cases NAMES] [--blocks 1,4,8,16,32,auto] [--widths auto,2]
+python benchmarks/blocks_ab.py [--cases NAMES] [--blocks 1,4,8,16,32,auto] [--widths auto,2] [--rounds N]
 
 Per case (one sequence, inputs as ``kda bench``), per K2 width (``KDA_CUDA_WARPS``; auto: the
 rule) and per ``KDA_CUDA_BLOCKS`` value (auto: the rule, whose count the dispatch log gives):
@@ -23,11 +23,11 @@ import kda.cuda
 from kda import bench
 
 CASES = {
-    "1x32768 H32": {"seq_lens": [32768], "H": 32},
-    "1x131072 H32": {"seq_lens": [131072], "H": 32},
-    "1x8192 H64": {"seq_lens": [8192], "H": 64},
-    "1x8192 H96": {"seq_lens": [8192], "H": 96},
-    "1x65536 H16": {"seq_lens": [65536], "H": 16},
+    "1x32768-H32": {"seq_lens": [32768], "H": 32},
+    "1x131072-H32": {"seq_lens": [131072], "H": 32},
+    "1x8192-H64": {"seq_lens": [8192], "H": 64},
+    "1x8192-H96": {"seq_lens": [8192], "H": 96},
+    "1x65536-H16": {"seq_lens": [65536], "H": 16},
 }
 
 
@@ -54,9 +54,9 @@ def measure(name: str, args, fla, fla_heads: set[int]) -> dict:
         switch("KDA_CUDA_WARPS", width)
         switch("KDA_CUDA_BLOCKS", "1")
         o_uncut, ht_uncut = kda.chunk_kda(*tensors, backend="cuda", **kw)
-        for blocks in args.blocks.split(","):
+        for round_, blocks in ((r, b) for r in range(1, args.rounds + 1) for b in args.blocks.split(",")):
             switch("KDA_CUDA_BLOCKS", blocks)
-            label = f"w{width} b{blocks}"
+            label = f"w{width} b{blocks}" + (f" r{round_}" if args.rounds > 1 else "")
             with kda.record_dispatch() as events:
                 o, ht = kda.chunk_kda(*tensors, backend="cuda", **kw)
             row["dispatch"][label] = next((e for e in events if e.startswith("cuda:blocks")), "uncut")
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--widths", default="auto")
     parser.add_argument("--fla-heads", default="32,64,96", help="head counts fla's autotune cache holds")
     parser.add_argument("--rep", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=1, help="times through the block counts (an ABAB order)")
     args = parser.parse_args()
     fla = bench.contenders().get("fla")
     fla_heads = {int(h) for h in args.fla_heads.split(",") if h}
@@ -86,7 +87,8 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---|")
     for row in rows:
         for label, ms in row["ms"].items():
-            uncut = row["ms"].get(label.split(" ")[0] + " b1", float("nan"))
+            width, _, *round_ = label.split(" ")
+            uncut = row["ms"].get(" ".join([width, "b1", *round_]), float("nan"))
             fla_ratio = f"{ms / row['fla']:.3f}" if "fla" in row else "-"
             print(f"| {row['case']} | {label} | {row['dispatch'][label]} | {ms:.3f} | {ms / uncut:.3f} | {fla_ratio} | "
                   f"{'same' if row['same'][label] else 'DIFFERENT'} |")  # fmt: skip

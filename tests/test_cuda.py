@@ -633,7 +633,7 @@ def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threa
     once, each on its own stream (each stream has its own recurrence stream)."""
     import threading
 
-    from kda.cuda.forward import PIPELINE_BLOCK_TOKENS, PIPELINE_MIN_TOKENS
+    from kda.cuda.forward import PIPELINE_BLOCKS, PIPELINE_MIN_TOKENS
 
     case, kw = one_sequence_case(PIPELINE_MIN_TOKENS, 2, True, True, torch.float32, seed=47, varlen=True)
     switches("KDA_CUDA_BLOCKS", "1")
@@ -641,7 +641,7 @@ def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threa
     switches("KDA_CUDA_BLOCKS", None)
     with kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), **kw)
-    assert f"cuda:blocks:{PIPELINE_MIN_TOKENS // PIPELINE_BLOCK_TOKENS}" in events, events
+    assert f"cuda:blocks:{PIPELINE_BLOCKS}" in events, events
     assert torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut)
     results, errors = {}, []
 

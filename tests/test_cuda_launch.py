@@ -292,8 +292,8 @@ def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
         return P(B=B, N=N, H=H, T=T, cu_seqlens=cu, cu_seqlens_values=values)
 
     long, cu = seq(), torch.tensor([0, 32768])
-    assert blocks(long, 132, False, False) == 32768 // forward.PIPELINE_BLOCK_TOKENS
-    assert blocks(seq(cu=cu, values=(0, 32768)), 132, False, False) == 32768 // forward.PIPELINE_BLOCK_TOKENS
+    assert blocks(long, 132, False, False) == forward.PIPELINE_BLOCKS
+    assert blocks(seq(cu=cu, values=(0, 32768)), 132, False, False) == forward.PIPELINE_BLOCKS
     assert blocks(seq(T=forward.PIPELINE_MIN_TOKENS - 1), 132, False, False) == 1
     assert blocks(seq(H=67), 132, False, False) == 1  # two recurrence CTAs an SM
     assert blocks(seq(B=2, N=2), 132, False, False) == 1

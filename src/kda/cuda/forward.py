@@ -49,9 +49,15 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
 # K1 beside K2 (pipeline_blocks): a long single sequence whose recurrence grid leaves most of
 # every SM idle (K2's chains: one CTA an SM or fewer) is cut into time blocks; K1 of block i + 1
 # runs on the current stream while K2 of block i runs on a high-priority stream beside it, and
-# each K2 starts from the state the one before it wrote (float32, as K2 carries it).
-PIPELINE_BLOCK_TOKENS = 4096  # tokens a block under the rule (whole chunks)
-PIPELINE_MIN_TOKENS = 16384  # no blocks below this length
+# each K2 starts from the state the one before it wrote (float32, as K2 carries it). Measured on
+# the H200 (2026-12-04, run 87, benchmarks/blocks_ab.py, same process; 4 / 8 / 16 / 32 blocks
+# against the uncut call): 1x32768 H32 1.607 ms uncut, 1.627 / 1.562 / 1.645 / 1.875; 1x131072
+# H32 6.441, 6.569 / 6.229 / 6.366 / 6.321. Eight blocks win both (3-4%); more lose to the host's
+# cost a block (two launches, a stream wait, the block's tables: 1x8192 H64 in 16 blocks took
+# 1.647 ms against 0.709 uncut). K2 running beside K1 slows its chains, which is why the gain is
+# a few percent and not K1's whole time. Not measured below 32768 tokens, so not taken there.
+PIPELINE_BLOCKS = 8  # time blocks under the rule
+PIPELINE_MIN_TOKENS = 32768  # no blocks below this length
 
 
 def one_sequence(p: Problem) -> bool:
@@ -65,7 +71,7 @@ def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) ->
     Only for one sequence (:func:`one_sequence`), outside CUDA graph capture (the fork onto a
     second stream is not captured) and without training checkpoints. The rule: sequences of at
     least :data:`PIPELINE_MIN_TOKENS` whose recurrence takes at most one CTA an SM
-    (``recurrence_width``'s two-warp split-K case), in blocks of :data:`PIPELINE_BLOCK_TOKENS`.
+    (``recurrence_width``'s two-warp split-K case), in :data:`PIPELINE_BLOCKS` blocks.
     ``KDA_CUDA_BLOCKS`` (a count >= 1; 1 turns it off) overrides the rule wherever the call
     qualifies."""
     override = switches.BLOCKS_OVERRIDE
@@ -74,7 +80,7 @@ def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) ->
             raise ValueError(f"KDA_CUDA_BLOCKS must be a whole number >= 1 (time blocks; 1: off), got {override!r}")
         wanted = int(override)
     elif sms >= 2 * p.N * p.H and p.T >= PIPELINE_MIN_TOKENS:
-        wanted = -(-p.T // PIPELINE_BLOCK_TOKENS)
+        wanted = PIPELINE_BLOCKS
     else:
         wanted = 1
     if wanted <= 1 or capturing or checkpoints or not one_sequence(p):
