@@ -278,6 +278,24 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
     assert len(libcuda.calls) == 6
 
 
+def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypatch):
+    """A launch that fails inside the blocks still leaves the current stream waiting for the
+    recurrence stream (what was queued there must not be overtaken), and the error reaches the caller."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    libcuda.status = int(driver.CUresult.CUDA_ERROR_INVALID_VALUE)
+    monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (OK, b"invalid argument"))
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    log = []
+    streams = lambda index, stream: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
+    monkeypatch.setattr(forward, "stream_pair", streams)
+    case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=42)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    with pytest.raises(loader.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        forward.chunk_forward(p)
+    assert len(libcuda.calls) == 1 and log == [("wait", 0x5000, 0x6000, 1)], log
+
+
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
     """forward.pipeline_blocks: one sequence (B = 1, cu_seqlens None or checked as [0, T]) of at
     least PIPELINE_MIN_TOKENS whose recurrence takes at most one CTA an SM, outside capture and

@@ -251,13 +251,15 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
     offset = 0
-    for (part, o_i, ht_i), t, size in zip(parts, tables, sizes):
-        block = workspace[offset : offset + size]
-        offset += size
-        _launch(part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False)
-        side.wait_stream(current)  # this block's K1, and before it the inputs, initial state and tables
-        _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False)
-    current.wait_stream(side)
+    try:
+        for (part, o_i, ht_i), t, size in zip(parts, tables, sizes):
+            block = workspace[offset : offset + size]
+            offset += size
+            _launch(part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False)
+            side.wait_stream(current)  # this block's K1, and before it the inputs, initial state and tables
+            _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False)
+    finally:  # also when a launch fails: nothing later on the current stream may overtake what is queued
+        current.wait_stream(side)
     return o, ht
 
 
