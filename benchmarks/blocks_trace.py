@@ -7,9 +7,11 @@ call's K1 and K2 summed over the blocks (a kernel that shares the SMs takes long
 both calls' do_bench medians, and the blocked call's timeline: from one start event, when each
 block's K1 and K2 finished (events recorded after each launch on its stream), and how long each
 K2 ran after both its K1 and the K2 before it were done. ``--priority equal`` gives the
-recurrence stream the default priority instead of the highest; ``--k1-ctas N`` launches K1 with
-dynamic shared memory it does not use, so that at most N of its CTAs fit an SM beside a
-two-warp split-K recurrence CTA (fewer of K1's warps to share the SM with K2's chain)."""
+recurrence stream the default priority instead of the highest (a stream from torch's pool; runs
+87-90 ran the blocks on a pool stream at the highest priority, before kda made streams of its
+own); ``--k1-ctas N`` launches K1 with dynamic shared memory it does not use, so that at most N
+of its CTAs fit an SM beside a two-warp split-K recurrence CTA (fewer of K1's warps to share the
+SM with K2's chain)."""
 
 from __future__ import annotations
 
@@ -87,11 +89,11 @@ def main() -> None:
     if args.priority == "equal":
         pair = forward.stream_pair
 
-        def equal_priority(device_index, stream):
+        def equal_priority(device_index, stream, kernels):
             key = (device_index, stream)
             if key not in forward._recurrence_streams:
                 forward._recurrence_streams[key] = torch.cuda.Stream(device_index)
-            return pair(device_index, stream)
+            return pair(device_index, stream, kernels)
 
         forward.stream_pair = equal_priority
     for name in args.cases.split(","):

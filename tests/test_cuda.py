@@ -562,12 +562,13 @@ def one_sequence_case(T, H, layout, with_state, state_dtype, seed, varlen=False)
 @pytest.mark.gpu
 @cuda_ready
 @pytest.mark.parametrize(
-    "T,H,blocks,layout,state_dtype,with_state,varlen",
-    [(100, 2, 3, False, torch.float32, True, False), (1000, 4, 4, True, torch.bfloat16, True, True),
-     (4096, 1, 8, True, torch.float32, False, False), (777, 3, 100, False, torch.bfloat16, True, True)],
+    "T,H,blocks,layout,state_dtype,with_state,varlen,final",
+    [(100, 2, 3, False, torch.float32, True, False, True), (1000, 4, 4, True, torch.bfloat16, True, True, True),
+     (4096, 1, 8, True, torch.float32, False, False, True), (777, 3, 100, False, torch.bfloat16, True, True, True),
+     (1000, 2, 5, True, torch.float32, False, False, False)],
 )  # fmt: skip
 def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
-    cuda_on, switches, T, H, blocks, layout, state_dtype, with_state, varlen
+    cuda_on, switches, T, H, blocks, layout, state_dtype, with_state, varlen, final
 ):
     """K1 beside K2 in time blocks (KDA_CUDA_BLOCKS), batched and as one varlen sequence: the
     blocks' chunks are the uncut call's and
@@ -578,6 +579,7 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     from kda.cuda.forward import block_bounds, run_blocks
 
     case, kw = one_sequence_case(T, H, layout, with_state, state_dtype, seed=40 + T, varlen=varlen)
+    kw["output_final_state"] = final
     switches("KDA_CUDA_BLOCKS", "1")
     with kda.record_dispatch() as uncut_events:
         o_uncut, ht_uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
@@ -587,7 +589,8 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     with kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
     assert events == ["chunk_kda -> cuda", f"cuda:blocks:{count}", *["cuda:prepare", "cuda:recurrence"] * count]
-    assert torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut)
+    assert torch.equal(o, o_uncut)
+    assert (ht is None and ht_uncut is None) if not final else torch.equal(ht, ht_uncut)
 
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     guard = 4096
@@ -595,13 +598,18 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     h_buf = torch.full((H * 128 * 128 + 2 * guard,), float("nan"), dtype=state_dtype, device="cuda")
     o_poisoned = o_buf[guard:-guard].view(1, T, H, 128)
     ht_poisoned = h_buf[guard:-guard].view(p.state_shape)
-    run_blocks(p, o_poisoned, ht_poisoned, blocks)
-    for buf in (o_buf, h_buf):
-        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the output"
-    assert torch.equal(o_poisoned, o_uncut) and torch.equal(ht_poisoned, ht_uncut), "an output was not written"
+    run_blocks(p, o_poisoned, ht_poisoned if final else None, blocks)
+    assert o_buf[:guard].isnan().all() and o_buf[-guard:].isnan().all(), "a write landed outside o"
+    assert torch.equal(o_poisoned, o_uncut), "an output was not written"
+    if final:
+        assert h_buf[:guard].isnan().all() and h_buf[-guard:].isnan().all(), "a write landed outside the state"
+        assert torch.equal(ht_poisoned, ht_uncut), "a state element was not written"
+    else:
+        assert h_buf.isnan().all(), "a state was written without output_final_state"
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, 5e-3, "o")
-    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
+    if final:
+        assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 
 
 @pytest.mark.gpu

@@ -240,13 +240,17 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
     log = []
-    streams = lambda index, stream: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
+    streams = lambda index, stream, kernels: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
     monkeypatch.setattr(forward, "stream_pair", streams)
+    builds = []
+    build = forward.build_tables
+    monkeypatch.setattr(forward, "build_tables", lambda part, *args: builds.append(part.T) or build(part, *args))
     case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=41)
     case.initial_state = case.initial_state.to(state_dtype)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
     with kda.record_dispatch() as events:
         o, ht = forward.chunk_forward(p)
+    assert builds == [48, 4], "one table build a block length"
     assert events == ["cuda:blocks:3", *["cuda:prepare", "cuda:recurrence"] * 3], events
     assert log == [("wait", 0x6000, 0x5000, 1), ("wait", 0x6000, 0x5000, 3), ("wait", 0x6000, 0x5000, 5),
                    ("wait", 0x5000, 0x6000, 6)]  # fmt: skip
@@ -287,13 +291,68 @@ def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypa
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
     log = []
-    streams = lambda index, stream: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
+    streams = lambda index, stream, kernels: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
     monkeypatch.setattr(forward, "stream_pair", streams)
     case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=42)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     with pytest.raises(loader.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
         forward.chunk_forward(p)
     assert len(libcuda.calls) == 1 and log == [("wait", 0x5000, 0x6000, 1)], log
+
+
+def test_time_blocks_without_a_final_state_store_only_the_carries(load_kernels, monkeypatch):
+    """output_final_state=False and no initial state: the first block reads no state, every block
+    but the last stores its state for the next, the last stores none."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    streams = lambda index, stream, kernels: (FakeStream(stream, [], libcuda), FakeStream(0x6000, [], libcuda))  # noqa: E731
+    monkeypatch.setattr(forward, "stream_pair", streams)
+    case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", with_state=False, seed=43)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(output_final_state=False))
+    o, ht = forward.chunk_forward(p)
+    assert ht is None
+    k1_blocks = [prm for args, prm in libcuda.calls[::2]]
+    has_h0, store_ht = loader.FLAGS["has_h0"], loader.FLAGS["store_ht"]
+    assert [(bool(b.flags & has_h0), bool(b.flags & store_ht)) for b in k1_blocks] == [
+        (False, True),
+        (True, True),
+        (True, False),
+    ]
+    assert k1_blocks[0].h0 == 0 and k1_blocks[-1].ht == 0 and k1_blocks[1].h0 == k1_blocks[0].ht != 0
+
+
+def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(load_kernels, monkeypatch):
+    """forward.stream_pair makes a stream through the driver (non-blocking, the context's greatest
+    priority) for each (device, stream) the first time, keeps it, and past RECURRENCE_STREAMS
+    answers None, where chunk_forward runs the call uncut."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(forward, "_recurrence_streams", {})
+    monkeypatch.setattr(forward, "RECURRENCE_STREAMS", 2)
+    created = []
+    handles = itertools.count(0x9000)
+
+    def create(flags, priority):
+        created.append((flags, priority))
+        return OK, driver.CUstream(next(handles))
+
+    monkeypatch.setattr(driver, "cuCtxGetStreamPriorityRange", lambda: (OK, 0, -5))
+    monkeypatch.setattr(driver, "cuStreamCreateWithPriority", create)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: SimpleNamespace(cuda_stream=handle))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=0x5000 + index))
+    first = forward.stream_pair(0, 0x5000, kernels)
+    assert forward.stream_pair(0, 0x5000, kernels)[1] is first[1] and first[1].cuda_stream == 0x9000
+    assert forward.stream_pair(0, 0x7000, kernels)[1].cuda_stream == 0x9001
+    assert created == [(driver.CUstream_flags.CU_STREAM_NON_BLOCKING, -5)] * 2
+    assert forward.stream_pair(0, 0x8000, kernels) is None and len(created) == 2
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    monkeypatch.setattr(forward, "_current_raw_stream", lambda index: 0x8000)
+    case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=44)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    with kda.record_dispatch() as events:
+        forward.chunk_forward(p)
+    assert events == ["cuda:prepare", "cuda:recurrence"], events
 
 
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
@@ -304,6 +363,7 @@ def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
     from types import SimpleNamespace as P
 
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", None)
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", None)
     blocks = forward.pipeline_blocks
 
     def seq(B=1, N=1, H=32, T=32768, cu=None, values=None):
@@ -313,12 +373,14 @@ def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
     assert blocks(long, 132, False, False) == forward.PIPELINE_BLOCKS
     assert blocks(seq(cu=cu, values=(0, 32768)), 132, False, False) == forward.PIPELINE_BLOCKS
     assert blocks(seq(T=forward.PIPELINE_MIN_TOKENS - 1), 132, False, False) == 1
-    assert blocks(seq(H=67), 132, False, False) == 1  # two recurrence CTAs an SM
+    # K2's grid at most one CTA an SM: 4 a (sequence, head) pair at the two-warp split-K width
+    assert blocks(seq(H=33), 132, False, False) == forward.PIPELINE_BLOCKS
+    assert blocks(seq(H=34), 132, False, False) == 1 and blocks(seq(H=67), 132, False, False) == 1
     assert blocks(seq(B=2, N=2), 132, False, False) == 1
     assert blocks(seq(cu=cu), 132, False, False) == 1  # lengths never checked on the host
     assert blocks(seq(N=2, cu=torch.tensor([0, 16384, 32768]), values=(0, 16384, 32768)), 132, False, False) == 1
     assert blocks(long, 132, True, False) == 1 and blocks(long, 132, False, True) == 1
-    for override, T, want in (("1", 32768, 1), ("5", 100, 5), ("50", 100, 7), ("3", 16, 1)):
+    for override, T, want in (("1", 32768, 1), ("5", 100, 5), ("50", 100, 7), ("3", 16, 1), ("3", 0, 1)):
         monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", override)
         assert blocks(seq(H=96, T=T), 132, False, False) == want, override
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import torch
 
@@ -11,7 +12,7 @@ import kda.cuda as switches
 from kda import abi
 from kda.cuda import loader
 from kda.dispatch import log_once, note, on_device
-from kda.tables import chunk_slots, chunk_tables
+from kda.tables import build_tables, chunk_slots, chunk_tables
 from kda.validation import Problem
 
 # KDA_CUDA_WARPS's values: (16-row V groups a CTA, warps each group's K is split among).
@@ -52,10 +53,13 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
 # each K2 starts from the state the one before it wrote (float32, as K2 carries it). Measured on
 # the H200 (2026-12-04, run 87, benchmarks/blocks_ab.py, same process; 4 / 8 / 16 / 32 blocks
 # against the uncut call): 1x32768 H32 1.607 ms uncut, 1.627 / 1.562 / 1.645 / 1.875; 1x131072
-# H32 6.441, 6.569 / 6.229 / 6.366 / 6.321. Eight blocks win both (3-4%); more lose to the host's
-# cost a block (two launches, a stream wait, the block's tables: 1x8192 H64 in 16 blocks took
-# 1.647 ms against 0.709 uncut). K2 running beside K1 slows its chains, which is why the gain is
-# a few percent and not K1's whole time. Not measured below 32768 tokens, so not taken there.
+# H32 6.441, 6.569 / 6.229 / 6.366 / 6.321. Eight blocks won both; more lose to the host's cost a
+# block (two launches, a stream wait, the block's tables: 1x8192 H64 in 16 blocks took 1.647 ms
+# against 0.709 uncut). Over runs 87-90, eight blocks against the uncut call in the same process:
+# 1-6% faster in every paired figure but one (1.4% slower). K2's chains run at about half speed
+# while K1 runs beside them (run 90, benchmarks/blocks_trace.py), which is why the gain is a few
+# percent and not K1's whole time. Not measured below 32768 tokens, nor with more than one CTA an
+# SM of K2 beyond 1x8192 H64 and H96 (where blocks only lost), so not taken there.
 PIPELINE_BLOCKS = 8  # time blocks under the rule
 PIPELINE_MIN_TOKENS = 32768  # no blocks below this length
 
@@ -69,23 +73,30 @@ def one_sequence(p: Problem) -> bool:
 def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) -> int:
     """Time blocks for ``p``'s K1 to run beside its K2 (1: K1 over the whole call, then K2).
     Only for one sequence (:func:`one_sequence`), outside CUDA graph capture (the fork onto a
-    second stream is not captured) and without training checkpoints. The rule: sequences of at
-    least :data:`PIPELINE_MIN_TOKENS` whose recurrence takes at most one CTA an SM
-    (``recurrence_width``'s two-warp split-K case), in :data:`PIPELINE_BLOCKS` blocks.
-    ``KDA_CUDA_BLOCKS`` (a count >= 1; 1 turns it off) overrides the rule wherever the call
-    qualifies."""
+    second stream is neither needed there nor tested) and without training checkpoints. The rule:
+    sequences of at least :data:`PIPELINE_MIN_TOKENS` whose recurrence grid has at most one CTA
+    an SM (:func:`recurrence_ctas`; at the default widths up to 33 heads on 132 SMs), in
+    :data:`PIPELINE_BLOCKS` blocks. ``KDA_CUDA_BLOCKS`` (a count >= 1; 1 turns it off) replaces
+    the rule for the calls that qualify (a block count past the chunks gives a block a chunk); a
+    value that is not such a count is refused on any call that reaches this choice."""
     override = switches.BLOCKS_OVERRIDE
     if override is not None:
         if not override.isdigit() or int(override) < 1:
             raise ValueError(f"KDA_CUDA_BLOCKS must be a whole number >= 1 (time blocks; 1: off), got {override!r}")
         wanted = int(override)
-    elif sms >= 2 * p.N * p.H and p.T >= PIPELINE_MIN_TOKENS:
+    elif recurrence_ctas(p.N * p.H, sms) <= sms and p.T >= PIPELINE_MIN_TOKENS:
         wanted = PIPELINE_BLOCKS
     else:
         wanted = 1
     if wanted <= 1 or capturing or checkpoints or not one_sequence(p):
         return 1
-    return min(wanted, -(-p.T // abi.CHUNK))
+    return max(1, min(wanted, -(-p.T // abi.CHUNK)))
+
+
+def recurrence_ctas(pairs: int, sms: int) -> int:
+    """K2's grid for ``pairs`` (sequence, head) pairs at the width :func:`recurrence_width` takes."""
+    warps, _ = recurrence_width(pairs, sms)
+    return loader.HEAD_DIM // (16 * warps) * pairs
 
 
 def block_bounds(T: int, blocks: int) -> list[tuple[int, int]]:
@@ -95,19 +106,39 @@ def block_bounds(T: int, blocks: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + span, T)) for t0 in range(0, T, span)]
 
 
-# The recurrence's stream for each (device, stream) whose calls run K1 beside K2: the highest
-# priority, so that K2's CTAs take the SM slots K1's free first (K1's are many and short, K2's
-# few and long: a K2 CTA waiting behind K1's would hold its chain back).
+# The recurrence's stream for each (device, stream) whose calls run K1 beside K2: a stream of
+# kda's own (torch's pool hands the same few streams to every caller, whose work would then queue
+# behind K2, or whose capture K2's wait would break), at the highest priority, so that K2's CTAs
+# take the SM slots K1's free first (K1's are many and short, K2's few and long: a K2 CTA waiting
+# behind K1's would hold its chain back), and non-blocking (the legacy default stream, torch's
+# default, would otherwise wait for it and K1 with it). Kept for the process; at most
+# RECURRENCE_STREAMS of them, after which further streams' calls run uncut.
+RECURRENCE_STREAMS = 8
 _recurrence_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
 
 
-def stream_pair(device_index: int, stream: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """``(the current stream, its recurrence stream)`` of ``device_index`` as torch streams."""
+def stream_pair(device_index: int, stream: int, kernels) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+    """``(the current stream, its recurrence stream)`` of ``device_index`` as torch streams, the
+    second made through ``kernels``' driver the first time; None when RECURRENCE_STREAMS are
+    kept for other streams already."""
     key = (device_index, stream)
     side = _recurrence_streams.get(key)
     if side is None:
-        _, highest = torch.cuda.Stream.priority_range()
-        side = _recurrence_streams[key] = torch.cuda.Stream(device_index, priority=highest)
+        with _streams_lock:
+            side = _recurrence_streams.get(key)
+            if side is None:
+                if len(_recurrence_streams) >= RECURRENCE_STREAMS:
+                    return None
+                driver = kernels.driver
+                with on_device(device_index):
+                    kernels.bind_context(device_index)
+                    _, greatest = loader.check(driver.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+                    flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+                    handle = loader.check(
+                        driver.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreateWithPriority"
+                    )
+                side = _recurrence_streams[key] = torch.cuda.ExternalStream(int(handle), device=device_index)
     return torch.cuda.current_stream(device_index), side
 
 
@@ -203,7 +234,10 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
         return _outputs(p)
     blocks = pipeline_blocks(p, sm_count(device_index), capturing, checkpoints is not None)
     if blocks > 1:
-        return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream)
+        streams = stream_pair(device_index, stream, kernels)
+        if streams is not None:
+            return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream, streams)
+        log_once(f"chunk_kda: no time blocks on this stream ({RECURRENCE_STREAMS} recurrence streams kept already)")
     o, ht = _outputs(p)
     tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
     _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
@@ -217,10 +251,13 @@ def run_blocks(p: Problem, o: torch.Tensor, ht: torch.Tensor | None, blocks: int
     if not one_sequence(p):
         raise ValueError(f"run_blocks: one sequence only (B = 1, cu_seqlens None or [0, T]), got B={p.B}, N={p.N}")
     kernels, device_index, stream, _ = _launch_context(p)
-    return _run_blocks(p, o, ht, blocks, kernels, device_index, stream)
+    streams = stream_pair(device_index, stream, kernels)
+    if streams is None:
+        raise RuntimeError(f"run_blocks: {RECURRENCE_STREAMS} recurrence streams are kept for other streams already")
+    return _run_blocks(p, o, ht, blocks, kernels, device_index, stream, streams)
 
 
-def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stream: int) -> tuple:
+def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stream: int, streams) -> tuple:
     """:func:`chunk_forward` of one sequence in time blocks (:func:`pipeline_blocks`), each a
     batched call of B = 1:
     K1 of every block on the current stream, K2 of each on the recurrence stream once its K1 is
@@ -243,11 +280,17 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
             cu_seqlens=None, cu_seqlens_cpu=None, cu_seqlens_values=None,
         )  # fmt: skip
         parts.append((part, o[:, t0:t1], ht_i))
+    # One build a block length (all but the last are equal), outside chunk_tables' cache of batched
+    # layouts: a long call's block lengths would fill it for the process.
+    built = {}
     with on_device(device_index):
-        tables = [chunk_tables(part, False, kernels, stream) for part, _, _ in parts]
+        for part, _, _ in parts:
+            if part.T not in built:
+                built[part.T] = build_tables(part, kernels, stream)
+    tables = [built[part.T] for part, _, _ in parts]
     sizes = [workspace_bytes(part, t) for (part, _, _), t in zip(parts, tables)]
     workspace = p.q.new_empty(sum(sizes), dtype=torch.uint8)  # every block's own: K1 runs ahead of K2
-    current, side = stream_pair(device_index, stream)
+    current, side = streams
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
     offset = 0
