@@ -588,7 +588,12 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     count = len(block_bounds(T, blocks))
     with kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
-    assert events == ["chunk_kda -> cuda", f"cuda:blocks:{count}", *["cuda:prepare", "cuda:recurrence"] * count]
+    assert events == [
+        "chunk_kda -> cuda",
+        f"cuda:blocks:{count}",
+        *["cuda:prepare"] * count,
+        *["cuda:recurrence"] * count,
+    ]
     assert torch.equal(o, o_uncut)
     assert (ht is None and ht_uncut is None) if not final else torch.equal(ht, ht_uncut)
 

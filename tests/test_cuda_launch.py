@@ -45,8 +45,9 @@ class FakeLibcuda:
 
 @pytest.fixture(autouse=True)
 def fresh_workspaces(monkeypatch):
-    """Each test starts with no kept stream workspaces and leaves none behind."""
+    """Each test starts with no kept stream workspaces (nor time blocks' tables) and leaves none behind."""
     monkeypatch.setattr(forward, "_workspaces", {})
+    monkeypatch.setattr(forward, "_block_tables", {})
 
 
 @pytest.fixture
@@ -219,23 +220,31 @@ def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypat
 
 
 class FakeStream:
-    """A torch stream as forward.stream_pair hands it out: its handle, and its waits logged
-    beside the launches made so far (``("wait", waiter, signaller, launches)``)."""
+    """A torch stream as forward.stream_pair hands it out: its handle, and its waits logged with
+    the launches made when the awaited event was recorded and when the wait was queued
+    (``("wait", waiter, signaller, launches at the record, launches at the wait)``)."""
 
     def __init__(self, handle: int, log: list, libcuda: FakeLibcuda):
         self.cuda_stream, self.log, self.libcuda = handle, log, libcuda
 
+    def record_event(self) -> tuple[int, int]:
+        return self.cuda_stream, len(self.libcuda.calls)
+
+    def wait_event(self, event: tuple[int, int]) -> None:
+        self.log.append(("wait", self.cuda_stream, *event, len(self.libcuda.calls)))
+
     def wait_stream(self, other: "FakeStream") -> None:
-        self.log.append(("wait", self.cuda_stream, other.cuda_stream, len(self.libcuda.calls)))
+        self.wait_event(other.record_event())
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kernels, monkeypatch, state_dtype):
-    """KDA_CUDA_BLOCKS=3 on 100 tokens: blocks of 48, 48 and 4 tokens. K1 of each block on the
-    current stream, then the recurrence stream waits for it and K2 of the block runs there; the
-    current stream waits for the recurrence stream last. Each block's Params hold its slice of
-    every input and of o, its own part of one workspace, the state the block before wrote (the
-    caller's for the first) and the next block's state (the caller's final state for the last)."""
+    """KDA_CUDA_BLOCKS=3 on 100 tokens: blocks of 48, 48 and 4 tokens. K1 of every block on the
+    current stream, an event after each; then for each block the recurrence stream waits for its
+    K1's event and runs its K2; the current stream waits for the recurrence stream last. Each
+    block's Params hold its slice of every input and of o, its own part of one workspace, the
+    state the block before wrote (the caller's for the first) and the next block's state (the
+    caller's final state for the last)."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
@@ -251,9 +260,9 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
     with kda.record_dispatch() as events:
         o, ht = forward.chunk_forward(p)
     assert builds == [48, 4], "one table build a block length"
-    assert events == ["cuda:blocks:3", *["cuda:prepare", "cuda:recurrence"] * 3], events
-    assert log == [("wait", 0x6000, 0x5000, 1), ("wait", 0x6000, 0x5000, 3), ("wait", 0x6000, 0x5000, 5),
-                   ("wait", 0x5000, 0x6000, 6)]  # fmt: skip
+    assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *["cuda:recurrence"] * 3], events
+    assert log == [("wait", 0x6000, 0x5000, 1, 3), ("wait", 0x6000, 0x5000, 2, 4), ("wait", 0x6000, 0x5000, 3, 5),
+                   ("wait", 0x5000, 0x6000, 6, 6)]  # fmt: skip
     prepare = int(kernels.kernels[abi.PREPARE_KERNEL])
     flags = loader.FLAGS
     state_bits = flags["h0_bfloat16"] if state_dtype == torch.bfloat16 else 0
@@ -261,7 +270,7 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
     previous_ht = p.initial_state.data_ptr()
     workspace = None
     for i, (t0, chunks) in enumerate(blocks):
-        (k1_args, k1), (k2_args, k2) = libcuda.calls[2 * i : 2 * i + 2]
+        (k1_args, k1), (k2_args, k2) = libcuda.calls[i], libcuda.calls[3 + i]
         assert bytes(k1) == bytes(k2)
         assert k1_args[0] == prepare and k1_args[1:3] == (chunks, 2) and k1_args[8] == 0x5000
         assert k2_args[0] != prepare and k2_args[8] == 0x6000
@@ -280,6 +289,8 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
             assert k1.workspace == workspace + 3 * 2 * loader.WORKSPACE_BYTES, "each block its own part"
         workspace, previous_ht = k1.workspace, k1.ht
     assert len(libcuda.calls) == 6
+    forward.chunk_forward(p)
+    assert builds == [48, 4], "the tables are kept for the next call on the stream"
 
 
 def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypatch):
@@ -297,7 +308,7 @@ def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypa
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     with pytest.raises(loader.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
         forward.chunk_forward(p)
-    assert len(libcuda.calls) == 1 and log == [("wait", 0x5000, 0x6000, 1)], log
+    assert len(libcuda.calls) == 1 and log == [("wait", 0x5000, 0x6000, 1, 1)], log
 
 
 def test_time_blocks_without_a_final_state_store_only_the_carries(load_kernels, monkeypatch):
@@ -312,7 +323,7 @@ def test_time_blocks_without_a_final_state_store_only_the_carries(load_kernels, 
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(output_final_state=False))
     o, ht = forward.chunk_forward(p)
     assert ht is None
-    k1_blocks = [prm for args, prm in libcuda.calls[::2]]
+    k1_blocks = [prm for args, prm in libcuda.calls[:3]]
     has_h0, store_ht = loader.FLAGS["has_h0"], loader.FLAGS["store_ht"]
     assert [(bool(b.flags & has_h0), bool(b.flags & store_ht)) for b in k1_blocks] == [
         (False, True),

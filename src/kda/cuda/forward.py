@@ -280,30 +280,49 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
             cu_seqlens=None, cu_seqlens_cpu=None, cu_seqlens_values=None,
         )  # fmt: skip
         parts.append((part, o[:, t0:t1], ht_i))
-    # One build a block length (all but the last are equal), outside chunk_tables' cache of batched
-    # layouts: a long call's block lengths would fill it for the process.
-    built = {}
     with on_device(device_index):
-        for part, _, _ in parts:
-            if part.T not in built:
-                built[part.T] = build_tables(part, kernels, stream)
-    tables = [built[part.T] for part, _, _ in parts]
+        tables = [block_tables(part, kernels, device_index, stream) for part, _, _ in parts]
     sizes = [workspace_bytes(part, t) for (part, _, _), t in zip(parts, tables)]
     workspace = p.q.new_empty(sum(sizes), dtype=torch.uint8)  # every block's own: K1 runs ahead of K2
     current, side = streams
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
-    offset = 0
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    launches = [
+        (part, o_i, ht_i, workspace[a : a + n], t) for (part, o_i, ht_i), t, a, n in zip(parts, tables, offsets, sizes)
+    ]
     try:
-        for (part, o_i, ht_i), t, size in zip(parts, tables, sizes):
-            block = workspace[offset : offset + size]
-            offset += size
+        # Every K1 first, an event after each, then every K2 after its K1's event: the current
+        # stream gets its whole queue at once, so no K1 waits for the host to launch it (a block's
+        # two launches and wait take about as long on the host as its K1 on the GPU).
+        ready = []
+        for part, o_i, ht_i, block, t in launches:
             _launch(part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False)
-            side.wait_stream(current)  # this block's K1, and before it the inputs, initial state and tables
+            ready.append(current.record_event())  # this K1, and before it the inputs, initial state and tables
+        for (part, o_i, ht_i, block, t), event in zip(launches, ready):
+            side.wait_event(event)
             _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False)
     finally:  # also when a launch fails: nothing later on the current stream may overtake what is queued
         current.wait_stream(side)
     return o, ht
+
+
+# Tables of block lengths, per (device, stream, tokens, heads, K), kept apart from chunk_tables'
+# cache of batched layouts (whose room a long call's block lengths would take for the process):
+# at most BLOCK_TABLES_KEPT, past which blocks build theirs each call (one launch a length).
+BLOCK_TABLES_KEPT = 16
+_block_tables: dict[tuple[int, int, int, int, int], object] = {}
+
+
+def block_tables(part: Problem, kernels, device_index: int, stream: int):
+    """The chunk tables of one time block (a batched call of B = 1), built on ``stream``."""
+    key = (device_index, stream, part.T, part.H, part.K)
+    tables = _block_tables.get(key)
+    if tables is None:
+        tables = build_tables(part, kernels, stream)
+        if len(_block_tables) < BLOCK_TABLES_KEPT:
+            _block_tables[key] = tables
+    return tables
 
 
 def chunk_forward_runs(
