@@ -55,8 +55,8 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
 # against the uncut call): 1x32768 H32 1.607 ms uncut, 1.627 / 1.562 / 1.645 / 1.875; 1x131072
 # H32 6.441, 6.569 / 6.229 / 6.366 / 6.321. Eight blocks won both; more lose to the host's cost a
 # block (two launches, a stream wait, the block's tables: 1x8192 H64 in 16 blocks took 1.647 ms
-# against 0.709 uncut). Over runs 87-90, eight blocks against the uncut call in the same process:
-# 1-6% faster in every paired figure but one (1.4% slower). K2's chains run at about half speed
+# against 0.709 uncut). In the final form (run 92, three paired rounds): 1x32768 H32 2-3% faster
+# each round, 1x131072 H32 from 0.5% slower to 5.4% faster. K2's chains run at about half speed
 # while K1 runs beside them (run 90, benchmarks/blocks_trace.py), which is why the gain is a few
 # percent and not K1's whole time. Not measured below 32768 tokens, nor with more than one CTA an
 # SM of K2 beyond 1x8192 H64 and H96 (where blocks only lost), so not taken there.
