@@ -95,7 +95,12 @@ def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) ->
 
 def recurrence_ctas(pairs: int, sms: int) -> int:
     """K2's grid for ``pairs`` (sequence, head) pairs at the width :func:`recurrence_width` takes."""
-    warps, _ = recurrence_width(pairs, sms)
+    return chain_grid(recurrence_width(pairs, sms)[0], pairs)
+
+
+def chain_grid(warps: int, pairs: int) -> int:
+    """CTAs of a chain kernel (the recurrence, the reverse chain) of ``warps`` 16-row V groups a
+    CTA: one a V slice of every (sequence, head) pair."""
     return loader.HEAD_DIM // (16 * warps) * pairs
 
 
@@ -269,7 +274,7 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
     bounds = block_bounds(p.T, blocks)
     # The state between blocks: two buffers, as K2 of block i reads one while it writes the other.
     carries = [p.q.new_empty(p.state_shape, dtype=torch.float32) for _ in range(min(2, len(bounds) - 1))]
-    parts = []
+    parts, end = [], 0  # (block problem, its o, the state it writes, its workspace's start and end)
     for i, (t0, t1) in enumerate(bounds):
         last = i == len(bounds) - 1
         h0 = p.initial_state if i == 0 else carries[(i - 1) % 2]
@@ -279,18 +284,17 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
             T=t1 - t0, initial_state=h0, output_final_state=ht_i is not None,
             cu_seqlens=None, cu_seqlens_cpu=None, cu_seqlens_values=None,
         )  # fmt: skip
-        parts.append((part, o[:, t0:t1], ht_i))
+        start, end = end, end + workspace_bytes(part)
+        parts.append((part, o[:, t0:t1], ht_i, start, end))
+    workspace = p.q.new_empty(end, dtype=torch.uint8)  # every block's own: K1 runs ahead of K2
     with on_device(device_index):
-        tables = [block_tables(part, kernels, device_index, stream) for part, _, _ in parts]
-    sizes = [workspace_bytes(part, t) for (part, _, _), t in zip(parts, tables)]
-    workspace = p.q.new_empty(sum(sizes), dtype=torch.uint8)  # every block's own: K1 runs ahead of K2
+        launches = [
+            (part, o_i, ht_i, workspace[a:b], block_tables(part, kernels, device_index, stream))
+            for part, o_i, ht_i, a, b in parts
+        ]
     current, side = streams
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    launches = [
-        (part, o_i, ht_i, workspace[a : a + n], t) for (part, o_i, ht_i), t, a, n in zip(parts, tables, offsets, sizes)
-    ]
     try:
         # Every K1 first, an event after each, then every K2 after its K1's event: the current
         # stream gets its whole queue at once, so no K1 waits for the host to launch it (a block's
@@ -503,7 +507,7 @@ def _launch(
             note("cuda:prepare")
         if not run_recurrence:
             return
-        grid = (loader.HEAD_DIM // (16 * warps) * N * H, 1)
+        grid = (chain_grid(warps, N * H), 1)
         threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]
         kernels.launch(name, grid, threads, shared_bytes, stream)

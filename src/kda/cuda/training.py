@@ -22,6 +22,7 @@ from kda import abi
 from kda.cuda import loader
 from kda.cuda.forward import (
     _launch_context,
+    chain_grid,
     chunk_params,
     input_flags,
     prepare_kernel,
@@ -100,7 +101,7 @@ def state_grad_chain(
             kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         name, shared_bytes = loader.CHAIN_KERNELS[CHAIN_WARPS]
-        grid = (loader.HEAD_DIM // (16 * CHAIN_WARPS) * N * H, 1)
+        grid = (chain_grid(CHAIN_WARPS, N * H), 1)
         kernels.launch(name, grid, 32 * (CHAIN_WARPS + 1), shared_bytes, stream)
         note("cuda:state_grad_chain")
     return workspace
