@@ -503,12 +503,14 @@ def _launch(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch(
+                prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream, dependent=switches.PDL
+            )
             note("cuda:prepare")
         if not run_recurrence:
             return
         grid = (chain_grid(warps, N * H), 1)
         threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]
-        kernels.launch(name, grid, threads, shared_bytes, stream)
+        kernels.launch(name, grid, threads, shared_bytes, stream, dependent=switches.PDL)
         note("cuda:recurrence")

@@ -345,6 +345,12 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   const int64_t h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __builtin_assume(tid >= 0 && tid < kThreads);
+  // Launched as a programmatic dependent of the work before it (kda.cuda.loader,
+  // Kernels.launch's `dependent`): no global memory is touched before the grids it depends on
+  // are complete and their writes visible. Then the recurrence, launched the same way, may
+  // place its CTAs as this grid's last ones start, and only waits for this grid's end.
+  cutlass::arch::wait_on_dependent_grids();
+  cutlass::arch::launch_dependent_grids();
 
   const int64_t n = p.chunk_seq[c];
   const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
@@ -682,6 +688,9 @@ __device__ void write_order(const TablesParams& p, int64_t m0, TablesShared& s) 
 
 extern "C" __global__ void __launch_bounds__(kTablesThreads) kda_build_tables(const TablesParams p) {
   __shared__ TablesShared s;
+  // K1, launched as a programmatic dependent after this, may place its CTAs at once (they wait
+  // for this grid's end before reading the tables).
+  cutlass::arch::launch_dependent_grids();
   const int64_t slot_blocks = (p.num_chunks + kTablesSlots - 1) / kTablesSlots;
   const int64_t block = blockIdx.x;
   if (block == 0) {
