@@ -449,13 +449,13 @@ def run_poisoned(p, layout: bool, state_dtype: torch.dtype, label: str = "") -> 
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_cuda_dependent_launches_wait_for_what_they_read(cuda_on, monkeypatch):
-    """K1 and K2 go as programmatic dependent launches (KDA_CUDA_PDL, on by default): K2's CTAs
-    may be placed while K1's last ones run, K1's while the tables' builder runs, and each waits
-    (griddepcontrol.wait) before it reads. Hundreds of one- and two-chunk sequences put many of
-    K2's chains in K1's last wave: a K2 that read its workspace early would read the NaN bytes
-    the workspace is poisoned with; a K1 that read the tables early would read a fresh tables
-    tensor's leftovers. Four calls with fresh lengths and poison, each against plain launches
-    bit for bit (the same kernels, the same order of work), into NaN-filled outputs."""
+    """K1 goes as a programmatic dependent launch (KDA_CUDA_PDL, on by default): its CTAs may
+    be placed while the tables' builder runs, and wait (griddepcontrol.wait) before they read.
+    A K1 that read the tables early would read a fresh tables tensor's leftovers (a build
+    without K1's wait failed here, H200, 2026-12-04, run 93), and a workspace it left unwritten
+    would pass on the NaN bytes it is poisoned with. Hundreds of short sequences, four calls
+    with fresh lengths and poison, each against plain launches bit for bit (the same kernels,
+    the same order of work), into NaN-filled outputs; the last against float64."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
     lengths = torch.Generator().manual_seed(77)

@@ -50,9 +50,10 @@ STATE_PRODUCTS = True
 # KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
-# K1 and K2 of the forward as programmatic dependent launches (KDA_CUDA_PDL=0: plain launches):
-# K2's CTAs are placed while K1's last ones run, K1's while the tables' builder runs
-# (kda.cuda.loader.Kernels.launch's ``dependent``).
+# K1 of the forward as a programmatic dependent launch (KDA_CUDA_PDL=0: a plain launch): its CTAs
+# are placed while the chunk tables' builder runs (kda.cuda.loader.Kernels.launch's
+# ``dependent``). K2 after K1 is a plain launch: placed early, its CTAs crowded onto the SMs K1
+# freed first (H200, 2026-12-04, run 93: 14-29% slower where K2 has about one CTA an SM).
 PDL = True
 
 

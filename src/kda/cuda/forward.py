@@ -512,5 +512,5 @@ def _launch(
         grid = (chain_grid(warps, N * H), 1)
         threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
         name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]
-        kernels.launch(name, grid, threads, shared_bytes, stream, dependent=switches.PDL)
+        kernels.launch(name, grid, threads, shared_bytes, stream)
         note("cuda:recurrence")

@@ -339,9 +339,10 @@ class Kernels:
 
         ``dependent``: a programmatic dependent launch (``cuLaunchKernelEx`` with programmatic
         stream serialization), for kernels that run ``griddepcontrol.wait`` before they touch
-        global memory (K1 and K2): their CTAs may be placed while the kernel before them in the
-        stream still runs, once that kernel has run ``griddepcontrol.launch_dependents``. Without
-        ``cuLaunchKernelEx`` by ctypes it is a plain launch, the same result."""
+        global memory (K1): their CTAs may be placed while the kernel before them in the stream
+        still runs, once that kernel has run ``griddepcontrol.launch_dependents`` (the tables'
+        builder does at its start). Without ``cuLaunchKernelEx`` by ctypes it is a plain
+        launch, the same result."""
         if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
             raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
         address, pointer = self.arguments[block]

@@ -268,10 +268,6 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const Lane lane;
   const int warp = threadIdx.x / 32;
   const int group = warp / KSPLIT, kh = warp % KSPLIT;  // V group, K half
-  // Launched as a programmatic dependent of K1 (kda.cuda.loader, Kernels.launch's
-  // `dependent`): its CTAs may start while K1's last ones run; nothing global (the tables, the
-  // initial state, the workspace) is read before K1 is complete and its writes visible.
-  cutlass::arch::wait_on_dependent_grids();
   const ChainSlice<WARPS> cs(p, group);
   const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
