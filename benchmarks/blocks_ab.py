@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import triton.testing
@@ -89,6 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     fla = bench.contenders().get("fla")
     fla_heads = {int(h) for h in args.fla_heads.split(",") if h}
+    env = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), **bench.versions()}
+    env["args"] = vars(args)
+    print(json.dumps({"environment": env}), flush=True)
     rows = []
     for name in args.cases.split(","):
         rows.append(measure(name, args, fla, fla_heads))

@@ -448,40 +448,6 @@ def run_poisoned(p, layout: bool, state_dtype: torch.dtype, label: str = "") -> 
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_cuda_dependent_launches_wait_for_what_they_read(cuda_on, monkeypatch):
-    """K1 goes as a programmatic dependent launch (KDA_CUDA_PDL, on by default): its CTAs may
-    be placed while the tables' builder runs, and wait (griddepcontrol.wait) before they read.
-    A K1 that read the tables early would read a fresh tables tensor's leftovers (a build
-    without K1's wait failed here, H200, 2026-12-04, run 93), and a workspace it left unwritten
-    would pass on the NaN bytes it is poisoned with. Hundreds of short sequences, four calls
-    with fresh lengths and poison, each against plain launches bit for bit (the same kernels,
-    the same order of work), into NaN-filled outputs; the last against float64."""
-    from kda.cuda.forward import run_stages, workspace_bytes
-
-    lengths = torch.Generator().manual_seed(77)
-    for trial in range(4):
-        seq_lens = torch.randint(1, 33, (600,), generator=lengths).tolist()
-        case = cuda_case(seq_lens, 16, False, "lower_bound", False, True, seed=100 + trial)
-        p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(output_final_state=True))
-        results = {}
-        for pdl in (True, False):
-            monkeypatch.setattr(kda.cuda, "PDL", pdl)
-            o = torch.full_like(p.v, float("nan"))
-            ht = torch.full(p.state_shape, float("nan"), device="cuda")
-            run_stages(p, o, ht, torch.full((workspace_bytes(p),), 0xFF, dtype=torch.uint8, device="cuda"))
-            results[pdl] = o, ht
-        torch.cuda.synchronize()
-        (o, ht), (o_plain, ht_plain) = results[True], results[False]
-        assert not o.isnan().any() and not ht.isnan().any(), f"call {trial}: NaN read from the poisoned workspace"
-        assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain), f"call {trial}: differs from plain launches"
-    c64 = case.to(torch.float64)
-    o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(output_final_state=True))
-    assert_close_fp64(o, o_ref, 5e-3, "o")
-    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
-
-
-@pytest.mark.gpu
-@cuda_ready
 @pytest.mark.parametrize("layout,state_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
 def test_gpu_cuda_writes_every_output_and_nothing_else(cuda_on, layout, state_dtype):
     case = cuda_case([0, 17, 1, 33, 300], 2, layout, "lower_bound", False, True, seed=5)

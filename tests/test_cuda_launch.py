@@ -24,44 +24,23 @@ LAUNCH_PROTOTYPE = ctypes.CFUNCTYPE(
 )
 
 
-# CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **kernelParams, void **extra)
-LAUNCH_EX_PROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-SERIALIZATION = int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-
-
 class FakeLibcuda:
-    """C functions with cuLaunchKernel's and cuLaunchKernelEx's signatures that record their
-    arguments and the Params block they point to, called like ``loader.driver_launch()``'s and
-    ``loader.driver_launch_ex()``'s libcuda functions (ctypes functions without argtypes at
-    their addresses), so the arguments take the same conversions. Both record into ``calls``
-    in cuLaunchKernel's argument order; ``dependent[i]`` says whether call i came through
-    cuLaunchKernelEx with programmatic stream serialization (and nothing else) set."""
+    """A C function with cuLaunchKernel's signature that records its arguments and the Params
+    block they point to, called like ``loader.driver_launch()``'s libcuda function (a ctypes
+    function without argtypes at its address), so the arguments take the same conversions."""
 
     def __init__(self, status: int = 0, block: type = loader.Params):
         self.calls = []
-        self.dependent = []
         self.status = status
         self.block = block  # the parameter block the launches pass (loader.DecodeParams for decode)
         self.c_function = LAUNCH_PROTOTYPE(self.record)  # kept alive while the fake is used
         self.launch = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(self.c_function, ctypes.c_void_p).value)
-        self.c_function_ex = LAUNCH_EX_PROTOTYPE(self.record_ex)
-        self.launch_ex = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(self.c_function_ex, ctypes.c_void_p).value)
 
     def record(self, *args):
         argument_array = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
         params = self.block.from_address(argument_array[0])
         self.calls.append((args, self.block.from_buffer_copy(params)))
-        self.dependent.append(False)
         return self.status
-
-    def record_ex(self, config_address, function, kernel_params, extra):
-        c = loader.LaunchConfig.from_address(config_address)
-        attributes = [loader.LaunchAttribute.from_address(c.attrs + i * 72) for i in range(c.num_attrs)]
-        args = (function, c.grid_x, c.grid_y, c.grid_z, c.block_x, c.block_y, c.block_z, c.smem, c.stream,
-                kernel_params, extra)  # fmt: skip
-        status = self.record(*args)
-        self.dependent[-1] = [(a.id, a.value) for a in attributes] == [(SERIALIZATION, 1)]
-        return status
 
 
 @pytest.fixture(autouse=True)
@@ -88,9 +67,8 @@ def load_kernels(monkeypatch, tmp_path):
     for artefact in loader.ARTEFACTS:
         (tmp_path / artefact).write_bytes(b"")
 
-    def load(launch, launch_ex=None):
+    def load(launch):
         monkeypatch.setattr(loader, "driver_launch", lambda: launch)
-        monkeypatch.setattr(loader, "driver_launch_ex", lambda: launch_ex)
         return loader.Kernels(tmp_path)
 
     return load
@@ -100,7 +78,7 @@ def fake_device(load_kernels, monkeypatch, block: type = loader.Params) -> tuple
     """``(libcuda, kernels)``: launches recorded by a FakeLibcuda (for ``block``), device 0
     current, its current stream 0x5000: what the launch tests below stand on."""
     libcuda = FakeLibcuda(block=block)
-    kernels = load_kernels(libcuda.launch, libcuda.launch_ex)
+    kernels = load_kernels(libcuda.launch)
     monkeypatch.setattr(loader, "kernels", lambda: kernels)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dispatch, "_current_device", None)
@@ -125,59 +103,6 @@ def test_failed_direct_launch_raises_with_the_driver_text(load_kernels, monkeypa
     name = next(iter(kernels.kernels))
     with pytest.raises(loader.CudaError, match=f"launching {name} failed: CUDA_ERROR_INVALID_VALUE: invalid argument"):
         kernels.launch(name, (1, 1), 32, 0, 0)
-
-
-def test_dependent_launch_passes_a_config_with_programmatic_serialization(load_kernels):
-    """``dependent=True`` goes through cuLaunchKernelEx: the same grid, block, shared bytes,
-    stream and argument array as a plain launch, and exactly one attribute, programmatic stream
-    serialization on; the plain launch beside it is untouched."""
-    libcuda = FakeLibcuda()
-    kernels = load_kernels(libcuda.launch, libcuda.launch_ex)
-    name = next(iter(kernels.kernels))
-    kernels.launch(name, (7, 3), 128, 4096, 0x5000, dependent=True)
-    kernels.launch(name, (5, 2), 64, 0, 0x6000)
-    handle = int(kernels.kernels[name])
-    arguments = ctypes.addressof(kernels.argument_array)
-    assert [args for args, _ in libcuda.calls] == [
-        (handle, 7, 3, 1, 128, 1, 1, 4096, 0x5000, arguments, None),
-        (handle, 5, 2, 1, 64, 1, 1, 0, 0x6000, arguments, None),
-    ]
-    assert libcuda.dependent == [True, False]
-
-
-def test_dependent_launch_is_a_plain_one_without_cuLaunchKernelEx(load_kernels):
-    libcuda = FakeLibcuda()
-    kernels = load_kernels(libcuda.launch, None)
-    name = next(iter(kernels.kernels))
-    kernels.launch(name, (7, 3), 128, 4096, 0x5000, dependent=True)
-    assert [args[:9] for args, _ in libcuda.calls] == [(int(kernels.kernels[name]), 7, 3, 1, 128, 1, 1, 4096, 0x5000)]
-    assert libcuda.dependent == [False]
-
-
-def test_failed_dependent_launch_raises_with_the_driver_text(load_kernels, monkeypatch):
-    monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (OK, b"invalid argument"))
-    libcuda = FakeLibcuda(status=int(driver.CUresult.CUDA_ERROR_INVALID_VALUE))
-    kernels = load_kernels(libcuda.launch, libcuda.launch_ex)
-    name = next(iter(kernels.kernels))
-    with pytest.raises(loader.CudaError, match=f"launching {name} failed: CUDA_ERROR_INVALID_VALUE"):
-        kernels.launch(name, (1, 1), 32, 0, 0, dependent=True)
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-def test_forward_launches_k1_and_k2_as_dependents_unless_turned_off(load_kernels, monkeypatch, pdl):
-    """K1 of the forward goes as a programmatic dependent launch (it waits on griddepcontrol
-    before touching memory), K2 as a plain one (run 93: placed early, its CTAs crowd onto the
-    SMs K1 frees first); KDA_CUDA_PDL=0 (switches.PDL False) makes K1's plain too."""
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
-    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
-    monkeypatch.setattr(kda.cuda, "PDL", pdl)
-    case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(output_final_state=True))
-    forward.chunk_forward(p)
-    recurrence_name, _ = loader.RECURRENCE_KERNELS[forward.recurrence_width(p.N * p.H, 132)]
-    prepare, recurrence = int(kernels.kernels[forward.prepare_kernel(p)]), int(kernels.kernels[recurrence_name])
-    assert [args[0] for args, _ in libcuda.calls] == [prepare, recurrence]
-    assert libcuda.dependent == [pdl, False]
 
 
 def test_launch_goes_through_cuda_bindings_without_libcuda(load_kernels, monkeypatch):

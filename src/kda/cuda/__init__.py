@@ -50,24 +50,17 @@ STATE_PRODUCTS = True
 # KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
-# K1 of the forward as a programmatic dependent launch (KDA_CUDA_PDL=0: a plain launch): its CTAs
-# are placed while the chunk tables' builder runs (kda.cuda.loader.Kernels.launch's
-# ``dependent``). K2 after K1 is a plain launch: placed early, its CTAs crowded onto the SMs K1
-# freed first (H200, 2026-12-04, run 93: 14-29% slower where K2 has about one CTA an SM).
-PDL = True
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_PDL``,
-    ``KDA_CUDA_BACKWARD_CHAIN`` and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at
-    import, as an environment read costs 0.6-0.7 us (an unset name raises and catches a KeyError
-    inside ``os.environ``) against a host budget of 40 us a call. Call it again after changing
-    any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, PDL, BACKWARD_CHAIN, STATE_PRODUCTS
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``
+    and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
+    read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
+    against a host budget of 40 us a call. Call it again after changing any in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
-    PDL = os.environ.get("KDA_CUDA_PDL") != "0"
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
 

@@ -503,9 +503,7 @@ def _launch(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            kernels.launch(
-                prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream, dependent=switches.PDL
-            )
+            kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         if not run_recurrence:
             return

@@ -16,16 +16,6 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
-// Programmatic dependent launch (PDL): CUTLASS's griddepcontrol helpers. They compile to nothing
-// unless this is defined, and a kernel launched with programmatic stream serialization whose
-// wait compiled to nothing would read its predecessor's output before it is written: the
-// static_assert below fails the build instead.
-#define CUTLASS_ENABLE_GDC_FOR_SM90
-#include <cutlass/arch/grid_dependency_control.h>
-#if defined(__CUDA_ARCH__)
-static_assert(cutlass::arch::IsGdcGloballyEnabled, "kda: CUTLASS's griddepcontrol helpers are compiled out");
-#endif
-
 // CuTe compiles its bulk (TMA) copies for sm_90 and for the arch-specific Blackwell targets
 // (sm_100a, ...); for a plain sm_100 they become traps at run time. Fail the build instead of
 // shipping kernels that trap.

@@ -97,45 +97,6 @@ def driver_launch():
     return launch
 
 
-def driver_launch_ex():
-    """libcuda's ``cuLaunchKernelEx`` as a ctypes function (no argtypes, as :func:`driver_launch`),
-    or None where ``libcuda.so.1`` cannot be opened: dependent launches are then plain ones.
-
-    The C signature: ``CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
-    void **kernelParams, void **extra)``; the config is a :class:`LaunchConfig`."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    launch = libcuda.cuLaunchKernelEx
-    launch.restype = ctypes.c_int
-    return launch
-
-
-class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute`` (cuda.h): a 4-byte id padded to 8 bytes, then a 64-byte value
-    union, whose first member here is the int of programmatic stream serialization."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig`` (cuda.h): grid and block sizes, dynamic shared bytes, stream, attributes."""
-
-    _fields_ = [
-        *((name, ctypes.c_uint) for name in ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "smem")),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.c_void_p),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
-assert ctypes.sizeof(LaunchAttribute) == 72 and ctypes.sizeof(LaunchConfig) == 56  # cuda.h's sizes on x86-64
-# A LaunchConfig's fields up to num_attrs as one struct.pack_into ("@": the C alignment, so the
-# stream lands at byte 32; no tail padding, which pack_into leaves as it is).
-LAUNCH_CONFIG_LAYOUT = struct.Struct("@7IPPI")
-
-
 # Per recurrence width: its entry point and dynamic shared memory, looked up once per call.
 # Keyed by (16-row V groups, warps a group's K is split among).
 RECURRENCE_KERNELS = {
@@ -258,17 +219,6 @@ class Kernels:
             )
         }
         self.arguments_pointer = self.arguments["chunk"][1]  # (benchmarks/host_parts.py times launches with it)
-        # Dependent launches (:meth:`launch`'s ``dependent``): one config, refilled per launch,
-        # pointing at one programmatic-serialization attribute that never changes.
-        self.direct_launch_ex = driver_launch_ex()
-        # Programmatic stream serialization: the launch may start while the kernel before it in
-        # the stream runs, from that kernel's griddepcontrol.launch_dependents on; the launched
-        # kernel's griddepcontrol.wait then waits for that kernel's end and its writes.
-        serialization = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        self.dependent_attribute = LaunchAttribute(id=int(serialization), value=1)
-        self.launch_config = LaunchConfig()
-        self.launch_config_pointer = ctypes.c_void_p(ctypes.addressof(self.launch_config))
-        self.dependent_attribute_address = ctypes.addressof(self.dependent_attribute)
 
     def set_params(self, values: tuple) -> None:
         """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
@@ -324,37 +274,14 @@ class Kernels:
         self.configured_devices.add(device_index)
 
     def launch(
-        self,
-        name: str,
-        grid: tuple[int, int],
-        threads: int,
-        smem: int,
-        stream: int,
-        block: str = "chunk",
-        dependent: bool = False,
+        self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, block: str = "chunk"
     ) -> None:
         """Launch ``name`` with the current contents of its parameter block: ``block`` "chunk"
         (:attr:`params`), "decode" (:attr:`decode_params`) or "tables" (:attr:`tables_params`).
-        The driver copies it at launch, so the block may be refilled for the next launch at once.
-
-        ``dependent``: a programmatic dependent launch (``cuLaunchKernelEx`` with programmatic
-        stream serialization), for kernels that run ``griddepcontrol.wait`` before they touch
-        global memory (K1): their CTAs may be placed while the kernel before them in the stream
-        still runs, once that kernel has run ``griddepcontrol.launch_dependents`` (the tables'
-        builder does at its start). Without ``cuLaunchKernelEx`` by ctypes it is a plain
-        launch, the same result."""
+        The driver copies it at launch, so the block may be refilled for the next launch at once."""
         if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
             raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")
         address, pointer = self.arguments[block]
-        if dependent and self.direct_launch_ex is not None:
-            LAUNCH_CONFIG_LAYOUT.pack_into(
-                self.launch_config, 0, grid[0], grid[1], 1, threads, 1, 1, smem, stream,
-                self.dependent_attribute_address, 1,
-            )  # fmt: skip
-            status = self.direct_launch_ex(self.launch_config_pointer, self.handles[name], pointer, None)
-            if status:
-                self.launch_failed(name, status)
-            return
         if self.direct_launch is None:
             check(
                 self.driver.cuLaunchKernel(

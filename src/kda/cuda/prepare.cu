@@ -345,13 +345,6 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   const int64_t h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __builtin_assume(tid >= 0 && tid < kThreads);
-  // Launched as a programmatic dependent of the work before it (kda.cuda.loader,
-  // Kernels.launch's `dependent`): its CTAs may be placed while the tables' builder runs, and
-  // touch no global memory before the grids it depends on are complete and their writes
-  // visible. It does not trigger its own dependents early: K2 placed while K1's last CTAs ran
-  // crowded onto the SMs that freed first and was 14-29% slower where its grid is about one
-  // CTA an SM (H200, 2026-12-04, run 93: 1x8192 H96, 1x8192 H64, 1x2048 H32).
-  cutlass::arch::wait_on_dependent_grids();
 
   const int64_t n = p.chunk_seq[c];
   const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
@@ -689,9 +682,6 @@ __device__ void write_order(const TablesParams& p, int64_t m0, TablesShared& s) 
 
 extern "C" __global__ void __launch_bounds__(kTablesThreads) kda_build_tables(const TablesParams p) {
   __shared__ TablesShared s;
-  // K1, launched as a programmatic dependent after this, may place its CTAs at once (they wait
-  // for this grid's end before reading the tables).
-  cutlass::arch::launch_dependent_grids();
   const int64_t slot_blocks = (p.num_chunks + kTablesSlots - 1) / kTablesSlots;
   const int64_t block = blockIdx.x;
   if (block == 0) {
