@@ -3,13 +3,14 @@
 kda.cuda.forward.pipeline_blocks) against the uncut launch:
 
 python benchmarks/blocks_ab.py [--cases NAMES] [--blocks 1,4,8,16,32,auto] [--widths auto,2] [--rounds N]
-python benchmarks/blocks_ab.py --switch KDA_CUDA_PDL --blocks 0,1 [--graph]   # plain against dependent launches
+python benchmarks/blocks_ab.py --switch NAME --blocks V0,V1 [--graph]   # another switch, V0 the baseline
 
 Per case (inputs as ``kda bench``), per K2 width (``KDA_CUDA_WARPS``; auto: the rule) and per
 value of the switch (``--blocks``: its values, the first the baseline; auto: unset, the rule,
 whose block count the dispatch log gives): the do_bench median (``--graph``: of a CUDA graph's
 replay) and whether o and the final state equal the baseline's bit for bit; fla's median where
-its autotune cache holds the head count (--fla-heads). One JSON line per case, then a table."""
+its autotune cache holds the head count (--fla-heads). One JSON line per case, then a table.
+(Runs 93-95 compared experiments' switches, KDA_CUDA_PDL and KDA_CUDA_BLOCKS_ONE_K2, since removed.)"""
 
 from __future__ import annotations
 
@@ -104,10 +105,10 @@ def main() -> None:
     for row in rows:
         for label, ms in row["ms"].items():
             width, _, *round_ = label.split(" ")
-            uncut = row["ms"].get(" ".join([width, base, *round_]), float("nan"))
+            baseline = row["ms"].get(" ".join([width, base, *round_]), float("nan"))
             fla_ratio = f"{ms / row['fla']:.3f}" if "fla" in row else "-"
-            print(f"| {row['case']} | {label} | {row['dispatch'][label]} | {ms:.3f} | {ms / uncut:.3f} | {fla_ratio} | "
-                  f"{'same' if row['same'][label] else 'DIFFERENT'} |")  # fmt: skip
+            print(f"| {row['case']} | {label} | {row['dispatch'][label]} | {ms:.3f} | {ms / baseline:.3f} | "
+                  f"{fla_ratio} | {'same' if row['same'][label] else 'DIFFERENT'} |")  # fmt: skip
         if "fla" in row:
             print(f"| {row['case']} | fla | | {row['fla']:.3f} | | 1.000 | |")
 
