@@ -142,7 +142,13 @@ def test_bench_table_renders_every_section():
     report = {
         "gpu": "GPU", "date": "2026-11-30", "versions": {"kda": "0.1.0"},
         "cases": [{"case": "1x8192 H96", "floor_ms": 0.24, "ms": {"kda-cuda": 0.9, "fla": 2.6},
-                   "ratio_to_fla": {"kda-cuda": 0.346, "fla": 1.0}, "flash_kda_ratio_anchor": 0.534}],
+                   "ratio_to_fla": {"kda-cuda": 0.346, "fla": 1.0}, "flash_kda_ratio_anchor": 0.534,
+                   "pass_ms": {"kda-cuda": [0.91, 0.9], "fla": [2.6, 2.6]},
+                   "pass_clocks": {"kda-cuda": [{"sm_mhz": 1980.0, "power_w_max": 300.0, "power_capped": 0.0,
+                                                 "samples": 1},
+                                                {"sm_mhz": 1830.0, "power_w_max": 690.0, "power_capped": 1.0,
+                                                 "samples": 3}],
+                                   "fla": [None, None]}}],
         "accuracy_vs_fp64": [{"case": "lens [1024]", "impl": "kda-cuda", "o": 3e-3, "final_state": 2e-3}],
         "host_overhead_tiny_call": {"kda-cuda": {"eager_host_us": 31.0, "eager_host_us_min": 29.0,
                                                   "eager_host_us_max": 35.5, "graph_replay_us": 9.0}},
@@ -151,7 +157,9 @@ def test_bench_table_renders_every_section():
     }  # fmt: skip
     table = bench.markdown_table(report)
     for expected in ("| 1x8192 H96 | 0.240 | 0.900 | 2.600 | 0.346 | 0.534 |", "| kda-cuda | 31.0 (29.0-35.5) | 9.0 |",
-                     "| kda-cuda | 0.900 | 0.950 |", "| kda-cuda | kda_recurrence | 0.600 |"):  # fmt: skip
+                     "| kda-cuda | 0.900 | 0.950 |", "| kda-cuda | kda_recurrence | 0.600 |",
+                     "| 1x8192 H96 | kda-cuda | 0.910, 0.900 | 1980, 1830 | 75% |",
+                     "| 1x8192 H96 | fla | 2.600, 2.600 | -, - | 0% |"):  # fmt: skip
         assert expected in table, table
 
 
@@ -186,11 +194,25 @@ def test_bench_times_every_contender_in_every_pass_after_all_first_calls(monkeyp
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     calls = {name: (lambda t, kw, name=name: events.append(("call", name))) for name in ("a", "b")}
-    ms, first_call_s, pass_ms = bench.time_calls(calls, (), {}, passes=3)
+    ms, first_call_s, pass_ms, pass_clocks = bench.time_calls(calls, (), {}, passes=3)
     assert events[:2] == [("call", "a"), ("call", "b")]
     assert [name for kind, name in events[2:] if kind == "timed"] == ["a", "b"] * 3
     assert pass_ms == {"a": [3.0, 1.0, 2.5], "b": [5.0, 9.0, 6.0]} and ms == {"a": 2.5, "b": 6.0}  # medians, not means
     assert set(first_call_s) == {"a", "b"}
+    assert pass_clocks == {"a": [None] * 3, "b": [None] * 3}  # no sampler given
+
+    class Windows:  # a sampler that says which pass it was asked about
+        asked = 0
+
+        def window(self, t0, t1):
+            assert t0 <= t1
+            Windows.asked += 1
+            return {"sm_mhz": 1000.0 + Windows.asked, "power_w_max": 1.0, "power_capped": 0.0, "samples": 1}
+
+    readings.update(a=iter([1.0] * 3), b=iter([1.0] * 3))
+    _, _, _, pass_clocks = bench.time_calls(calls, (), {}, passes=3, clocks=Windows())
+    assert [c["sm_mhz"] for c in pass_clocks["a"]] == [1001.0, 1003.0, 1005.0]  # one window a pass, in turn
+    assert [c["sm_mhz"] for c in pass_clocks["b"]] == [1002.0, 1004.0, 1006.0]
 
 
 def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path):
@@ -252,10 +274,13 @@ def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
         assert expected in table, table
     long = dict(head, cases=[{"case": "1x2097152 H8", "floor_ms": 5.0, "ms": {"kda-cuda": 94.0, "fla": 89.5},
                               "ratio_to_fla": {"kda-cuda": 1.05, "fla": 1.0}, "target_ratio": 0.25,
-                              "split_vs_uncut": {"kda-cuda-seg4096": {"o": 1e-3, "state": 2e-3}}}])  # fmt: skip
+                              "split_vs_uncut": {"kda-cuda-seg4096": {"o": 1e-3, "state": 2e-3}},
+                              "clocks": {"kda-cuda": {"sm_mhz": 1830.0, "power_w_max": 690.0, "power_capped": 0.5,
+                                                      "samples": 10}, "fla": None}}])  # fmt: skip
     table = bench_long.markdown_table(long)
     assert "| 1x2097152 H8 | 5.000 | 89.500 (1.000) | 94.000 (1.050) | 0.25 |" in table, table
     assert "1x2097152 H8 kda-cuda-seg4096: o 1.0e-03, state 2.0e-03" in table, table
+    assert "1x2097152 H8 kda-cuda 1830 MHz (50% under the power cap)" in table, table
 
     monkeypatch.setenv(bench_long.SETTING, "32")
     assert bench_long.with_segments(4096, lambda: os.environ[bench_long.SETTING])() == "4096"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from kda.clocks import ClockSampler
+
 # bf16, K = V = 128, lower-bound gate lb = -5, l2norm and beta sigmoid fused, fp32 state [N, H, V, K].
 ANCHOR_CASES = [
     {"name": "1x8192 H96", "seq_lens": [8192], "H": 96},
@@ -281,14 +283,17 @@ def triton_configs() -> dict:
 TIMING_PASSES = 3
 
 
-def time_calls(calls: dict, tensors: tuple, kw: dict, passes: int = TIMING_PASSES) -> tuple[dict, dict, dict]:
-    """``(ms, first_call_s, pass_ms)`` per contender: every contender's first call first (its
-    wall time: compile and autotune, where a bench run's time goes), then ``passes`` rounds of
-    one do_bench median each over all contenders in turn; ``ms`` is the median of a contender's
-    rounds, ``pass_ms`` the rounds themselves (their spread is the figure's)."""
+def time_calls(calls: dict, tensors: tuple, kw: dict, passes: int = TIMING_PASSES, clocks=None) -> tuple:
+    """``(ms, first_call_s, pass_ms, pass_clocks)`` per contender: every contender's first call
+    first (its wall time: compile and autotune, where a bench run's time goes), then ``passes``
+    rounds of one do_bench median each over all contenders in turn; ``ms`` is the median of a
+    contender's rounds, ``pass_ms`` the rounds themselves (their spread is the figure's), and
+    ``pass_clocks`` the GPU's clock during each round (``clocks``: a kda.clocks.ClockSampler;
+    None entries without one)."""
     import triton.testing
 
     first_call_s, pass_ms = {}, {name: [] for name in calls}
+    pass_clocks = {name: [] for name in calls}
     for name, call in calls.items():
         start = time.perf_counter()
         call(tensors, kw)
@@ -296,14 +301,18 @@ def time_calls(calls: dict, tensors: tuple, kw: dict, passes: int = TIMING_PASSE
         first_call_s[name] = time.perf_counter() - start
     for _ in range(passes):
         for name, call in calls.items():
+            t0 = time.time()
             pass_ms[name].append(
                 triton.testing.do_bench(lambda c=call: c(tensors, kw), warmup=25, rep=100, return_mode="median")
             )
+            pass_clocks[name].append(None if clocks is None else clocks.window(t0, time.time()))
     ms = {name: statistics.median(rounds) for name, rounds in pass_ms.items()}
     for name in calls:
         rounds = ", ".join(f"{t:.3f}" for t in pass_ms[name])
-        print(f"  {name}: {ms[name]:.3f} ms (passes {rounds}; first call {first_call_s[name]:.1f} s)", flush=True)
-    return ms, first_call_s, pass_ms
+        mhz = ", ".join("-" if c is None else f"{c['sm_mhz']:.0f}" for c in pass_clocks[name])
+        print(f"  {name}: {ms[name]:.3f} ms (passes {rounds}; SM MHz {mhz}; first call {first_call_s[name]:.1f} s)",
+              flush=True)  # fmt: skip
+    return ms, first_call_s, pass_ms, pass_clocks
 
 
 def pick_impls(calls: dict, impls: str | None) -> dict | None:
@@ -347,7 +356,8 @@ def main(args) -> int:
         "measured_copy_TBps": copy_tbps,
         "timing": (
             f"median of {TIMING_PASSES} passes over the contenders in turn, each the median of "
-            "triton.testing.do_bench(warmup=25 ms, rep=100 ms); same inputs, same process"
+            "triton.testing.do_bench(warmup=25 ms, rep=100 ms); same inputs, same process; the SM clock "
+            "during each pass from nvidia-smi (kda.clocks)"
         ),
         "inputs": (
             "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]"
@@ -364,10 +374,12 @@ def main(args) -> int:
     cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
     if args.cases:
         cases = [ANCHOR_CASES[int(i)] for i in args.cases.split(",")]
+    clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)
         row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3}
-        row["ms"], row["first_call_s"], row["pass_ms"] = time_calls(calls, tensors, kw)
+        timing = time_calls(calls, tensors, kw, clocks=clocks)
+        row["ms"], row["first_call_s"], row["pass_ms"], row["pass_clocks"] = timing
         row["triton_configs"] = triton_configs()
         if "fla" in row["ms"]:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
@@ -376,6 +388,7 @@ def main(args) -> int:
         report["cases"].append(row)
         print(case["name"], {n: round(t, 3) for n, t in row["ms"].items()}, flush=True)
         write_report(report, out / stem, markdown_table, plot)
+    clocks.close()
     print(markdown_table(report))
     return 0
 
@@ -633,6 +646,7 @@ def markdown_table(report: dict) -> str:
         lines.append(
             f"| {row['case']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + f" | {anchor if anchor else '-'} |"
         )
+    lines += clock_lines(report)
     lines += ["", "| accuracy case | impl | o rel RMS | final state rel RMS |", "|---|---|---:|---:|"]
     for a in report["accuracy_vs_fp64"]:
         lines.append(f"| {a['case']} | {a['impl']} | {a['o']:.2e} | {a['final_state']:.2e} |")
@@ -653,6 +667,24 @@ def markdown_table(report: dict) -> str:
         for name, times in report["kernel_ms_1x8192_H96"].items():
             lines += [f"| {name} | {kernel} | {ms:.3f} |" for kernel, ms in times.items()]
     return "\n".join(lines) + "\n"
+
+
+def clock_lines(report: dict) -> list[str]:
+    """Markdown of each case's passes with the GPU's SM clock and power-cap share during each
+    (kda.clocks; nothing for reports without samples)."""
+    rows = [r for r in report["cases"] if any(c for cs in r.get("pass_clocks", {}).values() for c in cs)]
+    if not rows:
+        return []
+    lines = ["", "| case | impl | ms per pass | SM MHz per pass | samples under the power cap |"]
+    lines.append("|---|---|---|---|---:|")
+    for r in rows:
+        for name, passes in r["pass_clocks"].items():
+            ms = ", ".join(f"{t:.3f}" for t in r["pass_ms"][name])
+            mhz = ", ".join("-" if c is None else f"{c['sm_mhz']:.0f}" for c in passes)
+            sampled = [c for c in passes if c is not None]
+            capped = sum(c["power_capped"] * c["samples"] for c in sampled) / max(sum(c["samples"] for c in sampled), 1)
+            lines.append(f"| {r['case']} | {name} | {ms} | {mhz} | {capped:.0%} |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:

@@ -14,11 +14,13 @@ on a head count it has not met (the autotune cache travels in .whl/triton-autotu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from kda.bench import contenders, floor_bytes, make_inputs, report_header, write_report
+from kda.clocks import ClockSampler
 from kda.segments import SETTING
 
 LONG_CASES = [
@@ -83,13 +85,17 @@ def long_main(args) -> int:
     cases = LONG_CASES[:2] if args.quick else LONG_CASES
     if args.cases:  # as the other benches: 0-based numbers
         cases = [LONG_CASES[int(i)] for i in args.cases.split(",")]
+    clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)
-        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}}
+        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}, "clocks": {}}
         with torch.inference_mode():
             for name, call in calls.items():
+                t0 = time.time()
                 row["ms"][name] = timed(lambda call=call: call(tensors, kw))
-                print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms", flush=True)
+                row["clocks"][name] = clocks.window(t0, time.time())
+                mhz = "-" if row["clocks"][name] is None else f"{row['clocks'][name]['sm_mhz']:.0f}"
+                print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms (SM {mhz} MHz)", flush=True)
             if splits and "kda-cuda" in calls:  # kda-cuda as dispatched (split where it applies), and uncut
                 uncut = with_segments(0, lambda: calls["kda-cuda"](tensors, kw))
                 row["ms"]["kda-cuda-uncut"] = timed(uncut)
@@ -112,6 +118,7 @@ def long_main(args) -> int:
             row["target_ratio"] = TARGET_RATIO.get(case["name"])
         report["cases"].append(row)
         write_report(report, out / stem, markdown_table, lambda r, p: None)
+    clocks.close()
     print(markdown_table(report))
     return 0
 
@@ -139,4 +146,8 @@ def markdown_table(report: dict) -> str:
     if moved:
         head = f"Split against the uncut CUDA call (relative RMS; raw gate lowered by {SPLIT_CHECK_GATE_SHIFT}): "
         lines += ["", head + "; ".join(moved)]
+    clocked = [f"{r['case']} {n} {c['sm_mhz']:.0f} MHz ({c['power_capped']:.0%} under the power cap)"
+               for r in report["cases"] for n, c in r.get("clocks", {}).items() if c]  # fmt: skip
+    if clocked:
+        lines += ["", "SM clock while timed (nvidia-smi, kda.clocks): " + "; ".join(clocked)]
     return "\n".join(lines) + "\n"

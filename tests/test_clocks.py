@@ -1,0 +1,49 @@
+"""kda.clocks, the bench's record of the GPU's clock: parsing nvidia-smi's lines, summarising a
+timed span's samples, and the background sampler on a stand-in command (CPU-checkable)."""
+
+import sys
+import time
+
+from kda import clocks
+
+
+def test_lines_parse_and_lines_the_query_could_not_fill_are_dropped():
+    assert clocks.parse_line("1830, 612.34, 0x0000000000000004\n") == (1830.0, 612.34, 4)
+    assert clocks.parse_line("1980, 81.59, 0x0000000000000000") == (1980.0, 81.59, 0)
+    for bad in ("[N/A], 80.0, 0x0", "1980, [Not Supported], 0x0", "No devices were found", "1, 2", ""):
+        assert clocks.parse_line(bad) is None, bad
+
+
+def test_summary_takes_the_median_clock_the_highest_power_and_the_capped_share():
+    samples = [(1980.0, 300.0, 0), (1830.0, 690.0, clocks.SW_POWER_CAP), (1845.0, 650.0, clocks.SW_POWER_CAP | 1)]
+    assert clocks.summarize(samples) == {"sm_mhz": 1845.0, "power_w_max": 690.0, "power_capped": 2 / 3, "samples": 3}
+    assert clocks.summarize([]) is None
+
+
+def test_sampler_keeps_a_commands_lines_and_windows_them_by_arrival_time():
+    """A stand-in for nvidia-smi prints two samples 0.3 s apart: each window sees the sample that
+    arrived in it (or one period after it), and a closed sampler stops its command."""
+    script = (
+        "import time\nprint('1980, 100.0, 0x0', flush=True)\ntime.sleep(0.3)\n"
+        "print('1830, 690.0, 0x4', flush=True)\ntime.sleep(30)"
+    )
+    start = time.time()
+    sampler = clocks.ClockSampler(command=[sys.executable, "-c", script])
+    deadline = time.time() + 20
+    while len(sampler.samples) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    sampler.close()
+    assert len(sampler.samples) == 2, sampler.samples
+    (first_at, first), (second_at, second) = sampler.samples
+    assert first == (1980.0, 100.0, 0) and second == (1830.0, 690.0, 4) and second_at - first_at >= 0.25
+    assert sampler.window(start, first_at)["sm_mhz"] == 1980.0
+    late = sampler.window(second_at - 0.01, second_at + 1)
+    assert late["sm_mhz"] == 1830.0 and late["power_capped"] == 1.0 and late["samples"] == 1
+    assert sampler.window(second_at + 1, second_at + 2) is None
+
+
+def test_without_nvidia_smi_the_sampler_samples_nothing(monkeypatch):
+    monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
+    sampler = clocks.ClockSampler()
+    assert sampler.window(0.0, time.time()) is None
+    sampler.close()
