@@ -28,11 +28,12 @@ def test_sampler_keeps_a_commands_lines_and_windows_them_by_arrival_time():
         "print('1830, 690.0, 0x4', flush=True)\ntime.sleep(30)"
     )
     start = time.time()
-    sampler = clocks.ClockSampler(command=[sys.executable, "-c", script])
-    deadline = time.time() + 20
-    while len(sampler.samples) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    sampler.close()
+    with clocks.ClockSampler(command=[sys.executable, "-c", script]) as sampler:
+        deadline = time.time() + 20
+        while len(sampler.samples) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        proc = sampler._proc
+    assert proc.poll() is not None, "the stand-in still runs after the sampler closed"
     assert len(sampler.samples) == 2, sampler.samples
     (first_at, first), (second_at, second) = sampler.samples
     assert first == (1980.0, 100.0, 0) and second == (1830.0, 690.0, 4) and second_at - first_at >= 0.25

@@ -16,6 +16,7 @@ is None: the bench's figures do not depend on it."""
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import statistics
 import subprocess
@@ -80,6 +81,7 @@ class ClockSampler:
         self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        atexit.register(self.close)  # a bench that raises between here and close() leaves no sampler running
 
     def _read(self) -> None:
         for line in self._proc.stdout:
@@ -92,6 +94,12 @@ class ClockSampler:
         the period before it), summarised."""
         late = t1 + PERIOD_MS / 1000
         return summarize([s for at, s in list(self.samples) if t0 <= at <= late])
+
+    def __enter__(self) -> ClockSampler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._proc is not None:
