@@ -290,6 +290,22 @@ def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     assert bench_long.SETTING not in os.environ
 
 
+def test_long_bench_plot_draws_a_case_with_fla_and_skips_a_report_without(tmp_path):
+    """``kda bench --long``'s plot (ratios to fla, the bar, the floor) from a synthetic report: a
+    PNG for a case timed beside fla, nothing where no case was (no ratio to draw)."""
+    pytest.importorskip("matplotlib", reason="matplotlib is the bench extra's, not the tests'")
+    from kda import bench_long
+
+    row = {"case": "1x2097152 H8", "floor_ms": 5.0, "ms": {"kda-cuda": 37.5, "fla": 99.7}, "target_ratio": 0.25,
+           "ratio_to_fla": {"kda-cuda": 0.376, "fla": 1.0}}  # fmt: skip
+    report = {"gpu": "GPU", "date": "2026-12-04", "cases": [row]}
+    bench_long.plot(report, tmp_path / "long.png")
+    assert (tmp_path / "long.png").stat().st_size > 1000
+    alone = {"case": "1x2097152 H8", "floor_ms": 5.0, "ms": {"kda-cuda": 37.5}}
+    bench_long.plot(dict(report, cases=[alone]), tmp_path / "alone.png")
+    assert not (tmp_path / "alone.png").exists()
+
+
 def test_importing_kda_leaves_triton_and_dynamo_unimported():
     """``import kda`` imports neither Triton nor torch._dynamo (which imports Triton): Triton
     reads TRITON_INTERPRET when it is imported, and the CLI sets it after importing kda. Nor

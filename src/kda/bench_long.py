@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import contenders, floor_bytes, make_inputs, report_header, write_report
+from kda.bench import _pyplot, contenders, floor_bytes, make_inputs, report_header, write_report
 from kda.clocks import ClockSampler
 from kda.segments import SETTING
 
@@ -117,7 +117,7 @@ def long_main(args) -> int:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
             row["target_ratio"] = TARGET_RATIO.get(case["name"])
         report["cases"].append(row)
-        write_report(report, out / stem, markdown_table, lambda r, p: None)
+        write_report(report, out / stem, markdown_table, plot)
     clocks.close()
     print(markdown_table(report))
     return 0
@@ -151,3 +151,31 @@ def markdown_table(report: dict) -> str:
     if clocked:
         lines += ["", "SM clock while timed (nvidia-smi, kda.clocks): " + "; ".join(clocked)]
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each contender's time as a share of fla's, case by case (the long cases' times span
+    6-100 ms, so ratios rather than times), with issue 13's bar and the memory floor's share."""
+    plt = _pyplot()
+    rows = [r for r in report["cases"] if "ratio_to_fla" in r]
+    if plt is None or not rows:
+        return
+    impls = sorted({n for r in rows for n in r["ratio_to_fla"] if n != "fla"})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(len(impls), 1)
+    for i, name in enumerate(impls):
+        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [r["ratio_to_fla"].get(name, 0.0) for r in rows], width, label=name)
+    ax.scatter(range(len(rows)), [r["floor_ms"] / r["ms"]["fla"] for r in rows], marker="_", s=600, c="k",
+               label="memory floor", zorder=3)  # fmt: skip
+    bars = [(j, r["target_ratio"]) for j, r in enumerate(rows) if r.get("target_ratio")]
+    if bars:
+        ax.scatter(*zip(*bars), marker="_", s=600, c="tab:red", label="issue 13's bar", zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("time / fla's (median, do_bench)")
+    ax.set_title(f"KDA forward, long sequences, {report['gpu']}, {report['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
