@@ -15,9 +15,9 @@ case = bench.ANCHOR_CASES[int(sys.argv[1])]
 calls = {name: call for name, call in bench.contenders().items() if name in ("kda-cuda", "fla")}
 tensors, kw = bench.make_inputs(case)
 row = {"case": case["name"], "gpu": torch.cuda.get_device_name(), "versions": bench.versions()}
-clocks = ClockSampler(torch.cuda.current_device())
-row["ms"], row["first_call_s"], row["pass_ms"], row["pass_clocks"] = bench.time_calls(calls, tensors, kw, clocks=clocks)
-clocks.close()
+with ClockSampler(torch.cuda.current_device()) as clocks:
+    timing = bench.time_calls(calls, tensors, kw, clocks=clocks)
+row["ms"], row["first_call_s"], row["pass_ms"], row["pass_clocks"] = timing
 row["ratio"] = row["ms"]["kda-cuda"] / row["ms"]["fla"]
 print(json.dumps(row), flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "one_case.json"), "w") as f:

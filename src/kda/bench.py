@@ -606,6 +606,13 @@ def _pyplot():
     return plt
 
 
+def bar_groups(impls: list, groups: int) -> tuple[float, list[list[float]]]:
+    """``(width, x positions per implementation)`` of a grouped bar chart: ``groups`` groups at
+    0, 1, ... with one bar of each implementation side by side, centred on the group."""
+    width = 0.8 / max(len(impls), 1)
+    return width, [[j + (i - (len(impls) - 1) / 2) * width for j in range(groups)] for i in range(len(impls))]
+
+
 def train_plot(report: dict, path: Path) -> None:
     plt = _pyplot()
     if plt is None:
@@ -613,9 +620,8 @@ def train_plot(report: dict, path: Path) -> None:
     cases = [r["case"] for r in report["cases"]]
     impls = _train_impls(report)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / len(impls)
-    for i, name in enumerate(impls):
-        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
+    width, positions = bar_groups(impls, len(cases))
+    for name, xs in zip(impls, positions):
         nan = float("nan")  # an implementation a case did not run: no bar
         ax_t.bar(xs, [r["fwd_bwd_ms"].get(name, nan) for r in report["cases"]], width, label=name)
         ax_m.bar(xs, [r["peak_extra_GB"].get(name, nan) for r in report["cases"]], width, label=name)
@@ -694,9 +700,8 @@ def plot(report: dict, path: Path) -> None:
     cases = [r["case"] for r in report["cases"]]
     impls = list(report["cases"][0]["ms"])
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(impls)
-    for i, name in enumerate(impls):
-        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(cases))]
+    width, positions = bar_groups(impls, len(cases))
+    for name, xs in zip(impls, positions):
         ax.bar(xs, [r["ms"][name] for r in report["cases"]], width, label=name)
     ax.scatter(
         range(len(cases)),

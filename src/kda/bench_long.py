@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import _pyplot, contenders, floor_bytes, make_inputs, report_header, write_report
+from kda.bench import _pyplot, bar_groups, contenders, floor_bytes, make_inputs, report_header, write_report
 from kda.clocks import ClockSampler
 from kda.segments import SETTING
 
@@ -162,10 +162,9 @@ def plot(report: dict, path: Path) -> None:
         return
     impls = sorted({n for r in rows for n in r["ratio_to_fla"] if n != "fla"})
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / max(len(impls), 1)
-    for i, name in enumerate(impls):
-        xs = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(rows))]
-        ax.bar(xs, [r["ratio_to_fla"].get(name, 0.0) for r in rows], width, label=name)
+    width, positions = bar_groups(impls, len(rows))
+    for name, xs in zip(impls, positions):  # a contender a case did not run: no bar
+        ax.bar(xs, [r["ratio_to_fla"].get(name, float("nan")) for r in rows], width, label=name)
     ax.scatter(range(len(rows)), [r["floor_ms"] / r["ms"]["fla"] for r in rows], marker="_", s=600, c="k",
                label="memory floor", zorder=3)  # fmt: skip
     bars = [(j, r["target_ratio"]) for j, r in enumerate(rows) if r.get("target_ratio")]
