@@ -22,7 +22,8 @@ def test_summary_takes_the_median_clock_the_highest_power_and_the_capped_share()
 
 def test_sampler_keeps_a_commands_lines_and_windows_them_by_arrival_time():
     """A stand-in for nvidia-smi prints two samples 0.3 s apart: each window sees the sample that
-    arrived in it (or one period after it), and a closed sampler stops its command."""
+    arrived in it or up to one period after it (a sample describes the period before it), and
+    closing the sampler stops its command at once rather than waiting for it to end."""
     script = (
         "import time\nprint('1980, 100.0, 0x0', flush=True)\ntime.sleep(0.3)\n"
         "print('1830, 690.0, 0x4', flush=True)\ntime.sleep(30)"
@@ -33,11 +34,16 @@ def test_sampler_keeps_a_commands_lines_and_windows_them_by_arrival_time():
         while len(sampler.samples) < 2 and time.time() < deadline:
             time.sleep(0.05)
         proc = sampler._proc
+        closing = time.time()
+    assert time.time() - closing < 5, "close waited for the stand-in's 30 s instead of stopping it"
     assert proc.poll() is not None, "the stand-in still runs after the sampler closed"
     assert len(sampler.samples) == 2, sampler.samples
     (first_at, first), (second_at, second) = sampler.samples
     assert first == (1980.0, 100.0, 0) and second == (1830.0, 690.0, 4) and second_at - first_at >= 0.25
     assert sampler.window(start, first_at)["sm_mhz"] == 1980.0
+    period = clocks.PERIOD_MS / 1000
+    assert sampler.window(first_at - 1, first_at - period / 2)["sm_mhz"] == 1980.0  # arrived within a period after
+    assert sampler.window(first_at - 1, first_at - 1.5 * period) is None  # more than a period after: another span's
     late = sampler.window(second_at - 0.01, second_at + 1)
     assert late["sm_mhz"] == 1830.0 and late["power_capped"] == 1.0 and late["samples"] == 1
     assert sampler.window(second_at + 1, second_at + 2) is None
