@@ -172,3 +172,53 @@ def test_segmented_chunk_form_equals_the_chunk_form(lens, segment_chunks, seed, 
         q, k, c.v, c.g, beta, segment_chunks=segment_chunks, two_pass=two_pass, **args
     )
     assert rel(o_s, o_c) <= 1e-12 and rel(s_s, s_c) <= 1e-12, (rel(o_s, o_c), rel(s_s, s_c))
+
+
+@given(
+    lens=st.lists(st.integers(0, 80), min_size=0, max_size=3),
+    gate=st.sampled_from(GATES),
+    reset=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_paired_chunk_form_equals_the_chunk_form(lens, gate, reset, seed):
+    """Two chunks a sequential step (docs/algorithm.md section 2b) against one: equal to float64
+    rounding. Mild decays where the gate is precomputed (the pair's rescaled operands carry a's
+    state into b; steep ones would hide a wrong coupling), sequences of an odd and an even chunk
+    count, partial last chunks, one-token and empty sequences, a hard reset in a's or b's rows."""
+    case = make_case(seq_lens=[70, 64, *lens, 1, 0], H=2, HV=4, K=8, V=6, gate=gate, steep_steps=1, seed=seed)
+    if gate == "precomputed":
+        case.g = case.g * 0.05
+    if reset:
+        case.g[0, 20, 1, 3] = float("-inf")  # chunk 1 of the first sequence: b of its first pair
+        case.g[0, 75, 2, 5] = float("-inf")  # chunk 0 of the second: a of its first pair
+    c = case.to(torch.float64)
+    q, k, g, beta = reference.activate_inputs(
+        c.q, c.k, c.g, c.beta,
+        use_qk_l2norm=True, use_gate=c.gate != "precomputed", use_beta_sigmoid=True,
+        A_log=c.A_log, dt_bias=None if c.dt_bias is None else c.dt_bias.view(c.v.shape[2], -1),
+        lower_bound=-5.0 if c.gate == "lower_bound" else None,
+    )  # fmt: skip
+    args = dict(scale=0.3, initial_state=c.initial_state, output_final_state=True, cu_seqlens=c.cu_seqlens)
+    o_c, s_c = reference.chunk16_kda(q, k, c.v, g, beta, **args)
+    o_p, s_p = reference.paired_chunk16_kda(q, k, c.v, g, beta, **args)
+    assert torch.isfinite(o_p).all() and torch.isfinite(s_p).all()
+    assert rel(o_p, o_c) <= 1e-12 and rel(s_p, s_c) <= 1e-12, (rel(o_p, o_c), rel(s_p, s_c))
+
+
+def test_pair_coupling_matters():
+    """The pair step without its coupling (b's writes blind to a's) is measurably wrong, so the
+    test above can fail: the coupling is not a term that rounds away."""
+    torch.manual_seed(5)
+    q, k = (reference.l2norm(torch.randn(2, 32, 8, dtype=torch.float64)) for _ in range(2))
+    g = -0.05 * torch.rand(2, 32, 8, dtype=torch.float64)
+    beta = torch.rand(2, 32, dtype=torch.float64)
+    v, S = torch.randn(2, 32, 6, dtype=torch.float64), torch.randn(2, 8, 6, dtype=torch.float64)
+    a, b = (reference.prepare_chunk(q[:, r], k[:, r], g[:, r], beta[:, r], 0.3) for r in (slice(0, 16), slice(16, 32)))
+    O1, S1 = reference.recurrence_step(a, v[:, :16], S)
+    O2, S2 = reference.recurrence_step(b, v[:, 16:], S1)
+    ops = reference.pair_operands(a, b)
+    O, S_next = reference.pair_step(ops, v, S)
+    assert rel(O, torch.cat([O1, O2], -2)) <= 1e-13 and rel(S_next, S2) <= 1e-13
+    ops.coupling = torch.zeros_like(ops.coupling)
+    O_blind, S_blind = reference.pair_step(ops, v, S)
+    assert rel(S_blind, S2) > 1e-3 and rel(O_blind, torch.cat([O1, O2], -2)) > 1e-3

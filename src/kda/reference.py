@@ -378,6 +378,106 @@ def _chunk_steps(
     return o, S
 
 
+# ----------------------------------------------------------------------------- pairs of chunks
+
+
+@dataclass
+class PairOperands:
+    """Two consecutive chunks a, b as one sequential step (``docs/algorithm.md`` section 2b): the
+    chunk-16 operands rescaled to the pair's start and end, plus the coupling of b's writes to a's.
+
+    Shapes per value head, ``R = C_a + C_b`` rows: ``q_decayed``, ``w``, ``k_restored`` ``[R, K]``;
+    ``inverse_beta`` and ``M`` ``[R, R]``; ``coupling`` ``[C_b, C_a]``; ``gamma`` ``[K]``.
+    """
+
+    q_decayed: torch.Tensor  # [Q~_a; Q~_b Diag(gamma_a)]: decayed from the pair's start
+    w: torch.Tensor  # [w_a; w_b Diag(gamma_a)]
+    inverse_beta: torch.Tensor  # Diag(inverse_beta_a, inverse_beta_b), block-diagonal
+    coupling: torch.Tensor  # D = w_b K^_a^T: how a's writes enter b's
+    M: torch.Tensor  # [[M_a, 0], [Q~_b K^_a^T, M_b]]
+    k_restored: torch.Tensor  # [K^_a Diag(gamma_b); K^_b]: decayed to the pair's end
+    gamma: torch.Tensor  # gamma_a gamma_b
+
+
+def pair_operands(a: ChunkOperands, b: ChunkOperands) -> PairOperands:
+    """:class:`PairOperands` of chunk ``a`` and the chunk ``b`` after it, from their chunk-16
+    operands alone (nothing of v or the state): every new factor is a product of decays <= 1
+    and every exponential stays the chunk-16 stage's, so the pair keeps its exponent ranges."""
+    Ca, Cb = a.w.shape[-2], b.w.shape[-2]
+    ga, gb = a.gamma.unsqueeze(-2), b.gamma.unsqueeze(-2)
+    zeros = a.M.new_zeros(*a.M.shape[:-2], Ca, Cb)
+    ib = torch.cat(
+        [torch.cat([a.inverse_beta, zeros], -1), torch.cat([zeros.transpose(-1, -2), b.inverse_beta], -1)], -2
+    )
+    cross = b.q_decayed @ a.k_restored.transpose(-1, -2)
+    return PairOperands(
+        q_decayed=torch.cat([a.q_decayed, b.q_decayed * ga], -2),
+        w=torch.cat([a.w, b.w * ga], -2),
+        inverse_beta=ib,
+        coupling=b.w @ a.k_restored.transpose(-1, -2),
+        M=torch.cat([torch.cat([a.M, zeros], -1), torch.cat([cross, b.M], -1)], -2),
+        k_restored=torch.cat([a.k_restored * gb, b.k_restored], -2),
+        gamma=a.gamma * b.gamma,
+    )
+
+
+def pair_step(ops: PairOperands, v: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunks of the sequential stage in one: ``v [HV, R, V]``, ``S [HV, K, V]`` -> ``(O, S_next)``.
+
+    ``X = inverse_beta V - w S`` is both chunks' ``U`` as if each entered with ``S`` decayed to
+    its start; b's writes also see a's, ``U_b = X_b - D U_a`` (the coupling is strictly block
+    lower, so its inverse is ``I - L``). Then ``O = Q~ S + M U`` and ``S_next = Diag(gamma) S +
+    K^^T U`` as in :func:`recurrence_step`: one state product ``w S`` for two chunks."""
+    Ca = ops.q_decayed.shape[-2] - ops.coupling.shape[-2]
+    X = ops.inverse_beta @ v - ops.w @ S
+    U = torch.cat([X[..., :Ca, :], X[..., Ca:, :] - ops.coupling @ X[..., :Ca, :]], -2)
+    O = ops.q_decayed @ S + ops.M @ U
+    S_next = ops.gamma.unsqueeze(-1) * S + ops.k_restored.transpose(-1, -2) @ U
+    return O, S_next
+
+
+def paired_chunk16_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk-16 form with its sequential stage two chunks a step (:func:`pair_step`; an odd
+    last chunk alone, by :func:`recurrence_step`); same contract as :func:`chunk16_kda`."""
+    return _each_sequence(_pair_steps, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _pair_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare chunk by chunk, the recurrence a pair of chunks a step (inputs ``[L, HV, ...]``)."""
+    o = torch.zeros_like(v)
+    L = q.shape[0]
+    for c0 in range(0, L, 2 * CHUNK):
+        cuts = [c0, min(c0 + CHUNK, L), min(c0 + 2 * CHUNK, L)]
+        ops = [
+            prepare_chunk(*(x[r0:r1].transpose(0, 1) for x in (q, k, g, beta)), scale)
+            for r0, r1 in zip(cuts, cuts[1:])
+            if r1 > r0
+        ]
+        rows = slice(c0, cuts[-1])
+        v_c = v[rows].transpose(0, 1)
+        O, S = pair_step(pair_operands(*ops), v_c, S) if len(ops) == 2 else recurrence_step(ops[0], v_c, S)
+        o[rows] = O.transpose(0, 1)
+    return o, S
+
+
 # ----------------------------------------------------------------------------- segments (spec section 8)
 
 

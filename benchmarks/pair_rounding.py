@@ -1,0 +1,105 @@
+"""What two chunks a sequential step (docs/algorithm.md section 2b) would cost in accuracy on
+the CUDA path's roundings, on the CPU: ``python benchmarks/pair_rounding.py [T]``.
+
+Both forms are simulated as K1 and K2 round (2026-12-04, 87ccfc3): K1's operands computed in
+float32 and stored in bf16 (inverse_beta as a bf16 pair, hi + lo; gamma in float32), the state
+in float32, rounded to bf16 as the left operand of its products with w and q_decayed, U rounded
+to bf16 for its products with k_restored and M, float32 sums. The pair's new operands (w_b and
+q_decayed_b rescaled by gamma_a, k_restored_a by gamma_b, the coupling D, the cross block of M)
+are formed from K1's float32 values and rounded once, as a pair K1 would store them; D is
+tried in bf16 and as a bf16 pair. Prints o and the final state against the float64 chunk form
+(relative RMS), bf16 inputs, K = V = 128, the lower-bound gate as bench cases draw it and the
+same lowered by 6 (a long memory)."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from helpers import make_case  # noqa: E402
+from kda import reference  # noqa: E402
+from kda.abi import CHUNK  # noqa: E402
+from kda.reference import relative_rms  # noqa: E402
+
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+HV, K, V = 2, 128, 128
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def pair_of_bf16(x: torch.Tensor) -> torch.Tensor:
+    hi = bf16(x)
+    return hi + bf16(x - hi)
+
+
+def stored(ops: reference.ChunkOperands) -> reference.ChunkOperands:
+    """K1's workspace: float32 values as the recurrence reads them."""
+    return reference.ChunkOperands(
+        q_decayed=bf16(ops.q_decayed),
+        w=bf16(ops.w),
+        inverse_beta=pair_of_bf16(ops.inverse_beta),
+        M=bf16(ops.M),
+        k_restored=bf16(ops.k_restored),
+        gamma=ops.gamma,
+    )
+
+
+def chunk_step(ops, v, S):
+    """K2's chunk step on stored operands: S in float32, bf16 where it is an MMA operand."""
+    U = ops.inverse_beta @ v - ops.w @ bf16(S)
+    Ub = bf16(U)
+    O = ops.q_decayed @ bf16(S) + ops.M @ Ub
+    return O, ops.gamma.unsqueeze(-1) * S + ops.k_restored.transpose(-1, -2) @ Ub
+
+
+def pair_step(ops: reference.PairOperands, v, S, Ca):
+    X = ops.inverse_beta @ v - ops.w @ bf16(S)
+    Ua = bf16(X[..., :Ca, :])
+    U = bf16(torch.cat([Ua, X[..., Ca:, :] - ops.coupling @ Ua], -2))
+    O = ops.q_decayed @ bf16(S) + ops.M @ U
+    return O, ops.gamma.unsqueeze(-1) * S + ops.k_restored.transpose(-1, -2) @ U
+
+
+def run(q, k, v, g, beta, scale, pairs: bool, coupling_round=bf16):
+    """One sequence ``[T, HV, ...]`` from a zero state, float32 arithmetic."""
+    S = torch.zeros(HV, K, V, dtype=torch.float32)
+    o = torch.zeros_like(v)
+    step = 2 * CHUNK if pairs else CHUNK
+    for c0 in range(0, T, step):
+        cuts = list(range(c0, min(c0 + step, T), CHUNK)) + [min(c0 + step, T)]
+        exact = [reference.prepare_chunk(*(x[r0:r1].transpose(0, 1) for x in (q, k, g, beta)), scale)
+                 for r0, r1 in zip(cuts, cuts[1:])]  # fmt: skip
+        v_c = v[c0 : cuts[-1]].transpose(0, 1)
+        if len(exact) == 2:
+            p = reference.pair_operands(*exact)
+            ops = reference.PairOperands(
+                q_decayed=bf16(p.q_decayed), w=bf16(p.w), inverse_beta=pair_of_bf16(p.inverse_beta),
+                coupling=coupling_round(p.coupling), M=bf16(p.M), k_restored=bf16(p.k_restored), gamma=p.gamma,
+            )  # fmt: skip
+            O, S = pair_step(ops, v_c, S, exact[0].w.shape[-2])
+        else:
+            O, S = chunk_step(stored(exact[0]), v_c, S)
+        o[c0 : cuts[-1]] = O.transpose(0, 1)
+    return o, S
+
+
+for lowered in (0.0, 6.0):
+    case = make_case(B=1, T=T, H=HV, HV=HV, K=K, V=V, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+    case.g = case.g - lowered
+    c64 = case.to(torch.float64, "cpu")
+    dt_bias = None if c64.dt_bias is None else c64.dt_bias.view(HV, -1)
+    q, k, g, beta = reference.activate_inputs(
+        c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=True, use_beta_sigmoid=True,
+        A_log=c64.A_log, dt_bias=dt_bias, lower_bound=-5.0,
+    )  # fmt: skip
+    scale = K**-0.5
+    o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
+    inputs32 = [x[0].float() for x in (q, k, c64.v, g, beta)]
+    print(f"T = {T}, gate lowered by {lowered}:")
+    forms = (("chunk", False, bf16), ("pair, D bf16", True, bf16), ("pair, D hi+lo", True, pair_of_bf16))
+    for name, pairs, rounding in forms:
+        o, s = run(*inputs32, scale, pairs, rounding)
+        print(f"  {name:14s} o {relative_rms(o, o64[0]):.3e}  state {relative_rms(s, s64[0]):.3e}")
