@@ -249,6 +249,29 @@ def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path
     bench.train_plot(report, tmp_path / "train.png")  # no KeyError for the missing bars
 
 
+def test_decode_bench_times_each_call_in_a_clock_window():
+    """``kda bench --decode`` reads the clock over the span of each timing (bench_decode.clocked),
+    and none without a sampler."""
+    from kda import bench_decode
+
+    spans = []
+
+    class Windows:
+        def window(self, t0, t1):
+            spans.append((t0, t1))
+            return {"sm_mhz": 1500.0, "power_w_max": 1.0, "power_capped": 0.0, "samples": 1}
+
+    def timer(fn):
+        fn()
+        spans.append("timed")
+        return 0.25
+
+    ms, clock = bench_decode.clocked(timer, lambda: None, Windows())
+    assert ms == 0.25 and clock["sm_mhz"] == 1500.0
+    assert spans[0] == "timed" and spans[1][0] <= spans[1][1]  # the window is asked after the timing, around it
+    assert bench_decode.clocked(timer, lambda: None, None) == (0.25, None)
+
+
 def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     """``kda bench --decode`` and ``--long`` Markdown from synthetic reports (their device runs
     write the table after every case: a formatting error would end a run), and the long
@@ -261,7 +284,9 @@ def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
             "measured_copy_TBps": 4.27, "inputs": "bf16"}  # fmt: skip
     decode = dict(head, cases=[{"N": 32, "state": "float32", "mode": "plain", "floor_ms": 0.0314,
                                 "state_copy_graph_ms": 0.037, "kda_graph_ms": 0.0435, "fla_graph_ms": 0.0508,
-                                "ratio_graph": 0.856, "kda_bandwidth_fraction": 0.72}],
+                                "ratio_graph": 0.856, "kda_bandwidth_fraction": 0.72,
+                                "kda_graph_clock": {"sm_mhz": 1980.0, "power_w_max": 400.0, "power_capped": 0.25,
+                                                    "samples": 4}, "fla_graph_clock": None}],
                   accuracy_vs_fp64_N32_T4={"kda": {"o": 1.66e-3, "state": 8.6e-8}},
                   prefill_varlen={"sequences": 32, "longest": 512, "mean_tokens": 8293.0,
                                   "kda": {"eager_ms": 0.354, "host_ms": 0.268, "host_sync": "none"}},
@@ -270,8 +295,9 @@ def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     table = bench_decode.markdown_table(decode)
     for expected in ("| float32 | plain | 32 | 0.0314 | 0.0370 | 0.0435 | 0.0508 | 0.856 | 0.72 |",
                      "kda 0.3540 ms per call, host 0.2680 ms, syncs: none", "N=32: 0.0435 / 0.0400",
-                     "T=1: decode 0.0460"):  # fmt: skip
+                     "T=1: decode 0.0460", "| float32 | plain | 32 | kda | 0.0435 | 1980 | 25% |"):  # fmt: skip
         assert expected in table, table
+    assert "| fla | 0.0508 |" not in table, table  # no samples, no clock row
     long = dict(head, cases=[{"case": "1x2097152 H8", "floor_ms": 5.0, "ms": {"kda-cuda": 94.0, "fla": 89.5},
                               "ratio_to_fla": {"kda-cuda": 1.05, "fla": 1.0}, "target_ratio": 0.25,
                               "split_vs_uncut": {"kda-cuda-seg4096": {"o": 1e-3, "state": 2e-3}},

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from kda.bench import report_header, write_report
+from kda.clocks import ClockSampler
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
 DECODE_HEADS = 32
@@ -83,6 +85,15 @@ def eager_ms(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def clocked(timer, fn, clocks) -> tuple[float, dict | None]:
+    """``(timer(fn), the GPU's clock while it ran)``: ``clocks`` a kda.clocks.ClockSampler (or
+    None: no reading), windowed on the timing's host start and end as ``kda bench`` does, so a
+    decode figure carries the SM clock and power-cap share it was measured at (2026-12-04)."""
+    t0 = time.time()
+    ms = timer(fn)
+    return ms, None if clocks is None else clocks.window(t0, time.time())
 
 
 def contenders(mode: str) -> dict:
@@ -257,8 +268,6 @@ def prefill(seed: int = 3) -> dict:
     ``cu_seqlens`` on the device with its host copy. Per contender: the eager time per call (the
     host's share included: nothing is replayed), the host time alone (calls issued back to
     back, no wait), and whether a call synchronised (torch's sync debug mode set to error)."""
-    import time
-
     import triton.testing
 
     import kda
@@ -320,6 +329,7 @@ def decode_main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{stem}-decode{args.tag}"
+    clocks = ClockSampler(torch.cuda.current_device())
     for state_dtype in (torch.float32, torch.bfloat16):
         for mode in ("plain", "pool"):
             calls = contenders(mode)
@@ -339,7 +349,9 @@ def decode_main(args) -> int:
                 for name, call in calls.items():
                     kwn = kw_kda if name == "kda" else kw
                     try:
-                        row[f"{name}_graph_ms"] = graph_ms(lambda call=call, kwn=kwn: call(t, kwn))
+                        row[f"{name}_graph_ms"], row[f"{name}_graph_clock"] = clocked(
+                            graph_ms, lambda call=call, kwn=kwn: call(t, kwn), clocks
+                        )
                         row[f"{name}_eager_ms"] = eager_ms(lambda call=call, kwn=kwn: call(t, kwn))
                     except Exception as e:  # noqa: BLE001 - fla's kernel may refuse a layout: say so
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
@@ -356,6 +368,7 @@ def decode_main(args) -> int:
                 report["cases"].append(row)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 write_report(report, out / stem, markdown_table, lambda r, p: None)
+    clocks.close()
     report["prefill_varlen"] = prefill()
     report["layouts_fp32_plain"] = {N: layouts(N) for N in DECODE_SEQUENCES}
     print("layouts", report["layouts_fp32_plain"], flush=True)
@@ -369,6 +382,22 @@ def decode_main(args) -> int:
     write_report(report, out / stem, markdown_table, lambda r, p: None)
     print(markdown_table(report))
     return 0
+
+
+def clock_lines(report: dict) -> list[str]:
+    """Markdown of the SM clock and power-cap share during each contender's graph timing
+    (kda.clocks; nothing for reports without samples)."""
+    rows = []
+    for r in report["cases"]:
+        for key, c in r.items():
+            if key.endswith("_graph_clock") and c is not None:
+                name = key.removesuffix("_graph_clock")
+                rows.append(f"| {r['state']} | {r['mode']} | {r['N']} | {name} | {r[f'{name}_graph_ms']:.4f} "
+                            f"| {c['sm_mhz']:.0f} | {c['power_capped']:.0%} |")  # fmt: skip
+    if not rows:
+        return []
+    return ["", "| state | mode | N | impl | graph ms | SM MHz | samples under the power cap |",
+            "|---|---|---:|---|---:|---:|---:|", *rows]  # fmt: skip
 
 
 def markdown_table(report: dict) -> str:
@@ -394,6 +423,7 @@ def markdown_table(report: dict) -> str:
             f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} "
             f"| {r.get('kda_ran', '-')} | {f(r, 'kda_triton_graph_ms')} | {f(r, 'ratio_triton_graph', '{:.3f}')} |"
         )
+    lines += clock_lines(report)
     acc = report.get("accuracy_vs_fp64_N32_T4", {})
     if acc:
         lines += ["", "Accuracy against the float64 token loop (N=32, T=4): "
