@@ -11,14 +11,19 @@ from kda import reference
 GATES = ("precomputed", "lower_bound", "softplus")
 
 
-def both_forms(case, **kw):
-    c = case.to(torch.float64)
-    q, k, g, beta = reference.activate_inputs(
+def activated(c):
+    """``(q, k, g, beta)`` of a case as the API's in-kernel options would make them."""
+    return reference.activate_inputs(
         c.q, c.k, c.g, c.beta,
         use_qk_l2norm=True, use_gate=c.gate != "precomputed", use_beta_sigmoid=True,
         A_log=c.A_log, dt_bias=None if c.dt_bias is None else c.dt_bias.view(c.v.shape[2], -1),
         lower_bound=-5.0 if c.gate == "lower_bound" else None,
     )  # fmt: skip
+
+
+def both_forms(case, **kw):
+    c = case.to(torch.float64)
+    q, k, g, beta = activated(c)
     h0 = c.initial_state
     args = dict(scale=0.3, initial_state=h0, output_final_state=True, cu_seqlens=c.cu_seqlens)
     return (
@@ -192,15 +197,10 @@ def test_paired_chunk_form_equals_the_chunk_form(lens, gate, reset, seed):
         case.g[0, 20, 1, 3] = float("-inf")  # chunk 1 of the first sequence: b of its first pair
         case.g[0, 75, 2, 5] = float("-inf")  # chunk 0 of the second: a of its first pair
     c = case.to(torch.float64)
-    q, k, g, beta = reference.activate_inputs(
-        c.q, c.k, c.g, c.beta,
-        use_qk_l2norm=True, use_gate=c.gate != "precomputed", use_beta_sigmoid=True,
-        A_log=c.A_log, dt_bias=None if c.dt_bias is None else c.dt_bias.view(c.v.shape[2], -1),
-        lower_bound=-5.0 if c.gate == "lower_bound" else None,
-    )  # fmt: skip
+    q, k, g, beta = activated(c)
     args = dict(scale=0.3, initial_state=c.initial_state, output_final_state=True, cu_seqlens=c.cu_seqlens)
     o_c, s_c = reference.chunk16_kda(q, k, c.v, g, beta, **args)
-    o_p, s_p = reference.paired_chunk16_kda(q, k, c.v, g, beta, **args)
+    o_p, s_p = reference.chunk16_kda(q, k, c.v, g, beta, pairs=True, **args)
     assert torch.isfinite(o_p).all() and torch.isfinite(s_p).all()
     assert rel(o_p, o_c) <= 1e-12 and rel(s_p, s_c) <= 1e-12, (rel(o_p, o_c), rel(s_p, s_c))
 

@@ -352,11 +352,14 @@ def chunk16_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    pairs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunk-16 form (spec section 2), in the dtype of ``q``; same contract as
     :func:`naive_recurrent_kda`. Each sequence is cut into chunks from its own start;
-    the last chunk may be shorter."""
-    return _each_sequence(_chunk_steps, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    the last chunk may be shorter. ``pairs``: the sequential stage two chunks a step
+    (:func:`pair_step`; an odd last chunk alone, by :func:`recurrence_step`)."""
+    advance = _pair_steps if pairs else _chunk_steps
+    return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def _chunk_steps(
@@ -434,22 +437,6 @@ def pair_step(ops: PairOperands, v: torch.Tensor, S: torch.Tensor) -> tuple[torc
     O = ops.q_decayed @ S + ops.M @ U
     S_next = ops.gamma.unsqueeze(-1) * S + ops.k_restored.transpose(-1, -2) @ U
     return O, S_next
-
-
-def paired_chunk16_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunk-16 form with its sequential stage two chunks a step (:func:`pair_step`; an odd
-    last chunk alone, by :func:`recurrence_step`); same contract as :func:`chunk16_kda`."""
-    return _each_sequence(_pair_steps, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def _pair_steps(
