@@ -4,6 +4,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -185,10 +186,13 @@ def test_bench_times_every_contender_in_every_pass_after_all_first_calls(monkeyp
 
     events, readings = [], {"a": iter([3.0, 1.0, 2.5]), "b": iter([5.0, 9.0, 6.0])}
 
+    inside = {"a": [], "b": []}  # host times within each timing
+
     def do_bench(fn, **options):
         fn()
         name = events[-1][1]
         events.append(("timed", name))
+        inside[name].append(time.time())
         return next(readings[name])
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
@@ -201,18 +205,21 @@ def test_bench_times_every_contender_in_every_pass_after_all_first_calls(monkeyp
     assert set(first_call_s) == {"a", "b"}
     assert pass_clocks == {"a": [None] * 3, "b": [None] * 3}  # no sampler given
 
-    class Windows:  # a sampler that says which pass it was asked about
-        asked = 0
+    class Windows:  # a sampler that says which span it was asked about, and when
+        asked = []
 
-        def window(self, t0, t1):
-            assert t0 <= t1
-            Windows.asked += 1
-            return {"sm_mhz": 1000.0 + Windows.asked, "power_w_max": 1.0, "power_capped": 0.0, "samples": 1}
+        def windows(self, spans):
+            Windows.asked.append((time.time(), list(spans)))
+            return [{"sm_mhz": t1 - t0, "power_w_max": 1.0, "power_capped": 0.0, "samples": 1} for t0, t1 in spans]
 
     readings.update(a=iter([1.0] * 3), b=iter([1.0] * 3))
+    inside.update(a=[], b=[])
     _, _, _, pass_clocks = bench.time_calls(calls, (), {}, passes=3, clocks=Windows())
-    assert [c["sm_mhz"] for c in pass_clocks["a"]] == [1001.0, 1003.0, 1005.0]  # one window a pass, in turn
-    assert [c["sm_mhz"] for c in pass_clocks["b"]] == [1002.0, 1004.0, 1006.0]
+    (asked_at_a, spans_a), (asked_at_b, spans_b) = Windows.asked  # once a contender, after every pass
+    for spans, within in ((spans_a, inside["a"]), (spans_b, inside["b"])):
+        assert len(spans) == 3 and all(t0 <= t <= t1 for (t0, t1), t in zip(spans, within))  # each encloses its timing
+    assert max(t1 for _, t1 in spans_a + spans_b) <= min(asked_at_a, asked_at_b)
+    assert [c["sm_mhz"] for c in pass_clocks["a"]] == [t1 - t0 for t0, t1 in spans_a]  # in pass order
 
 
 def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path):
@@ -247,29 +254,6 @@ def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path
     for line in expected:
         assert line in table, table
     bench.train_plot(report, tmp_path / "train.png")  # no KeyError for the missing bars
-
-
-def test_decode_bench_times_each_call_in_a_clock_window():
-    """``kda bench --decode`` reads the clock over the span of each timing (bench_decode.clocked),
-    and none without a sampler."""
-    from kda import bench_decode
-
-    spans = []
-
-    class Windows:
-        def window(self, t0, t1):
-            spans.append((t0, t1))
-            return {"sm_mhz": 1500.0, "power_w_max": 1.0, "power_capped": 0.0, "samples": 1}
-
-    def timer(fn):
-        fn()
-        spans.append("timed")
-        return 0.25
-
-    ms, clock = bench_decode.clocked(timer, lambda: None, Windows())
-    assert ms == 0.25 and clock["sm_mhz"] == 1500.0
-    assert spans[0] == "timed" and spans[1][0] <= spans[1][1]  # the window is asked after the timing, around it
-    assert bench_decode.clocked(timer, lambda: None, None) == (0.25, None)
 
 
 def test_decode_and_long_bench_tables_render_every_section(monkeypatch):

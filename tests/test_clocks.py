@@ -53,4 +53,22 @@ def test_without_nvidia_smi_the_sampler_samples_nothing(monkeypatch):
     monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
     sampler = clocks.ClockSampler()
     assert sampler.window(0.0, time.time()) is None
+    start = time.time()
+    assert sampler.windows([(start, start)]) == [None] and time.time() - start < clocks.PERIOD_MS / 1000  # no wait
     sampler.close()
+
+
+def test_windows_wait_for_the_sample_that_describes_their_last_period():
+    """A window read at its own end would miss the sample that arrives up to a period later and
+    describes the span's last period; ``windows`` waits for it (a review, 2026-12-04)."""
+    script = "import time\nwhile True:\n    print('1980, 100.0, 0x0', flush=True)\n    time.sleep(0.01)"
+    with clocks.ClockSampler(command=[sys.executable, "-c", script]) as sampler:
+        while not sampler.samples:
+            time.sleep(0.01)
+        t0 = time.time()
+        time.sleep(0.05)
+        t1 = time.time()
+        at_once = sampler.window(t0, t1)["samples"]
+        (waited,) = sampler.windows([(t0, t1)])
+        assert time.time() >= t1 + clocks.PERIOD_MS / 1000
+        assert waited["samples"] > at_once, (waited, at_once)

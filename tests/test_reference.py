@@ -193,11 +193,13 @@ def test_paired_chunk_form_equals_the_chunk_form(lens, gate, reset, seed):
     case = make_case(seq_lens=[70, 64, *lens, 1, 0], H=2, HV=4, K=8, V=6, gate=gate, steep_steps=1, seed=seed)
     if gate == "precomputed":
         case.g = case.g * 0.05
-    if reset:
-        case.g[0, 20, 1, 3] = float("-inf")  # chunk 1 of the first sequence: b of its first pair
-        case.g[0, 75, 2, 5] = float("-inf")  # chunk 0 of the second: a of its first pair
     c = case.to(torch.float64)
     q, k, g, beta = activated(c)
+    if reset:  # on the activated gate: an activation would map a raw -inf to no decay at all
+        g = g.clone()
+        g[0, 20, 1, 3] = float("-inf")  # chunk 1 of the first sequence: b of its first pair
+        g[0, 75, 2, 5] = float("-inf")  # chunk 0 of the second: a of its first pair
+        assert (g < reference.HARD_RESET).sum() >= 2
     args = dict(scale=0.3, initial_state=c.initial_state, output_final_state=True, cu_seqlens=c.cu_seqlens)
     o_c, s_c = reference.chunk16_kda(q, k, c.v, g, beta, **args)
     o_p, s_p = reference.chunk16_kda(q, k, c.v, g, beta, pairs=True, **args)

@@ -299,13 +299,16 @@ def time_calls(calls: dict, tensors: tuple, kw: dict, passes: int = TIMING_PASSE
         call(tensors, kw)
         torch.cuda.synchronize()
         first_call_s[name] = time.perf_counter() - start
+    spans = {name: [] for name in calls}
     for _ in range(passes):
         for name, call in calls.items():
             t0 = time.time()
             pass_ms[name].append(
                 triton.testing.do_bench(lambda c=call: c(tensors, kw), warmup=25, rep=100, return_mode="median")
             )
-            pass_clocks[name].append(None if clocks is None else clocks.window(t0, time.time()))
+            spans[name].append((t0, time.time()))
+    for name in calls:  # read after the passes, so that each window holds its last period's sample
+        pass_clocks[name] = [None] * passes if clocks is None else clocks.windows(spans[name])
     ms = {name: statistics.median(rounds) for name, rounds in pass_ms.items()}
     for name in calls:
         rounds = ", ".join(f"{t:.3f}" for t in pass_ms[name])

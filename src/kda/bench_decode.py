@@ -65,8 +65,10 @@ def state_bytes(N: int, state_dtype, H: int = DECODE_HEADS) -> int:
     return 2 * N * H * D * D * torch.tensor([], dtype=state_dtype).element_size()
 
 
-def graph_ms(fn) -> float:
-    """Median of do_bench over replays of ``fn`` captured once (eager warm-up first)."""
+def graph_ms(fn, spans: list | None = None) -> float:
+    """Median of do_bench over replays of ``fn`` captured once (eager warm-up first); ``spans``:
+    a list that gets the host times ``(t0, t1)`` around the replays' timing alone (not the
+    warm-up and capture, where compiles happen), for the GPU clock's window."""
     import triton.testing
 
     fn()
@@ -78,22 +80,17 @@ def graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    t0 = time.time()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    if spans is not None:
+        spans.append((t0, time.time()))
+    return ms
 
 
 def eager_ms(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def clocked(timer, fn, clocks) -> tuple[float, dict | None]:
-    """``(timer(fn), the GPU's clock while it ran)``: ``clocks`` a kda.clocks.ClockSampler (or
-    None: no reading), windowed on the timing's host start and end as ``kda bench`` does, so a
-    decode figure carries the SM clock and power-cap share it was measured at (2026-12-04)."""
-    t0 = time.time()
-    ms = timer(fn)
-    return ms, None if clocks is None else clocks.window(t0, time.time())
 
 
 def contenders(mode: str) -> dict:
@@ -317,19 +314,11 @@ def prefill(seed: int = 3) -> dict:
     return out
 
 
-def decode_main(args) -> int:
+def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Path) -> None:
+    """Issue 12's cases, each contender beside fla, into ``report["cases"]`` (the report written
+    to ``path`` after each), with the GPU's clock over each graph timing (``clocks``)."""
     import kda
 
-    report, copy_tbps, stem = report_header(
-        "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
-        __doc__.split("Shapes: ")[1].strip(),
-    )
-    report["accuracy_vs_fp64_N32_T4"] = accuracy(contenders("plain"))
-    report["cases"] = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{stem}-decode{args.tag}"
-    clocks = ClockSampler(torch.cuda.current_device())
     for state_dtype in (torch.float32, torch.bfloat16):
         for mode in ("plain", "pool"):
             calls = contenders(mode)
@@ -346,15 +335,17 @@ def decode_main(args) -> int:
                 src = kw["initial_state"]
                 dst = torch.empty_like(src)
                 row["state_copy_graph_ms"] = graph_ms(lambda src=src, dst=dst: dst.copy_(src))
+                spans = {name: [] for name in calls}  # each contender's graph timing, for its clock
                 for name, call in calls.items():
                     kwn = kw_kda if name == "kda" else kw
                     try:
-                        row[f"{name}_graph_ms"], row[f"{name}_graph_clock"] = clocked(
-                            graph_ms, lambda call=call, kwn=kwn: call(t, kwn), clocks
-                        )
+                        row[f"{name}_graph_ms"] = graph_ms(lambda call=call, kwn=kwn: call(t, kwn), spans[name])
                         row[f"{name}_eager_ms"] = eager_ms(lambda call=call, kwn=kwn: call(t, kwn))
                     except Exception as e:  # noqa: BLE001 - fla's kernel may refuse a layout: say so
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                timed = [name for name in calls if spans[name]]
+                for name, clock in zip(timed, clocks.windows([spans[name][0] for name in timed])):
+                    row[f"{name}_graph_clock"] = clock
                 if "fla_graph_ms" in row and "kda_graph_ms" in row:
                     row["ratio_graph"] = row["kda_graph_ms"] / row["fla_graph_ms"]
                 if "fla_graph_ms" in row and "kda_triton_graph_ms" in row:
@@ -367,8 +358,22 @@ def decode_main(args) -> int:
                         row[f"{name}_bandwidth_fraction"] = floor / row[f"{name}_graph_ms"]
                 report["cases"].append(row)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-                write_report(report, out / stem, markdown_table, lambda r, p: None)
-    clocks.close()
+                write_report(report, path, markdown_table, lambda r, p: None)
+
+
+def decode_main(args) -> int:
+
+    report, copy_tbps, stem = report_header(
+        "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
+        __doc__.split("Shapes: ")[1].strip(),
+    )
+    report["accuracy_vs_fp64_N32_T4"] = accuracy(contenders("plain"))
+    report["cases"] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{stem}-decode{args.tag}"
+    with ClockSampler(torch.cuda.current_device()) as clocks:
+        decode_cases(report, clocks, copy_tbps, out / stem)
     report["prefill_varlen"] = prefill()
     report["layouts_fp32_plain"] = {N: layouts(N) for N in DECODE_SEQUENCES}
     print("layouts", report["layouts_fp32_plain"], flush=True)
