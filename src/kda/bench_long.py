@@ -93,7 +93,7 @@ def long_main(args) -> int:
             for name, call in calls.items():
                 t0 = time.time()
                 row["ms"][name] = timed(lambda call=call: call(tensors, kw))
-                row["clocks"][name] = clocks.window(t0, time.time())
+                (row["clocks"][name],) = clocks.windows([(t0, time.time())])  # with its last period's sample
                 mhz = "-" if row["clocks"][name] is None else f"{row['clocks'][name]['sm_mhz']:.0f}"
                 print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms (SM {mhz} MHz)", flush=True)
             if splits and "kda-cuda" in calls:  # kda-cuda as dispatched (split where it applies), and uncut
