@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from helpers import make_case  # noqa: E402
 from kda import reference  # noqa: E402
-from kda.abi import CHUNK  # noqa: E402
 from kda.reference import relative_rms  # noqa: E402
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
@@ -36,7 +35,7 @@ def pair_of_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def stored(ops: reference.ChunkOperands) -> reference.ChunkOperands:
-    """K1's workspace: float32 values as the recurrence reads them."""
+    """K1's workspace as the recurrence reads it: bf16-rounded values (inverse_beta a bf16 pair)."""
     return reference.ChunkOperands(
         q_decayed=bf16(ops.q_decayed),
         w=bf16(ops.w),
@@ -67,12 +66,8 @@ def run(q, k, v, g, beta, scale, pairs: bool, coupling_round=bf16):
     """One sequence ``[T, HV, ...]`` from a zero state, float32 arithmetic."""
     S = torch.zeros(HV, K, V, dtype=torch.float32)
     o = torch.zeros_like(v)
-    step = 2 * CHUNK if pairs else CHUNK
-    for c0 in range(0, T, step):
-        cuts = list(range(c0, min(c0 + step, T), CHUNK)) + [min(c0 + step, T)]
-        exact = [reference.prepare_chunk(*(x[r0:r1].transpose(0, 1) for x in (q, k, g, beta)), scale)
-                 for r0, r1 in zip(cuts, cuts[1:])]  # fmt: skip
-        v_c = v[c0 : cuts[-1]].transpose(0, 1)
+    for rows, exact in reference.step_operands(q, k, g, beta, scale, 2 if pairs else 1):
+        v_c = v[rows].transpose(0, 1)
         if len(exact) == 2:
             p = reference.pair_operands(*exact)
             ops = reference.PairOperands(
@@ -82,7 +77,7 @@ def run(q, k, v, g, beta, scale, pairs: bool, coupling_round=bf16):
             O, S = pair_step(ops, v_c, S, exact[0].w.shape[-2])
         else:
             O, S = chunk_step(stored(exact[0]), v_c, S)
-        o[c0 : cuts[-1]] = O.transpose(0, 1)
+        o[rows] = O.transpose(0, 1)
     return o, S
 
 

@@ -362,7 +362,6 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
 
 
 def decode_main(args) -> int:
-
     report, copy_tbps, stem = report_header(
         "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms); graph: replays of one capture",
         __doc__.split("Shapes: ")[1].strip(),

@@ -10,7 +10,8 @@ about 300 W, kept 1980 MHz. A figure is then a figure at a clock, and the clock 
 the card ran in the seconds before.
 
 ``ClockSampler`` runs ``nvidia-smi -lms`` in the background for the device and keeps its samples
-with their host times; ``window(t0, t1)`` summarises the samples of a timed span. Without
+with their host times; ``windows(spans)`` summarises the samples of each timed ``(t0, t1)``
+span once its last sample can have arrived (``window`` one span at once). Without
 nvidia-smi (or on a machine whose driver refuses the query) it samples nothing and every window
 is None: the bench's figures do not depend on it."""
 

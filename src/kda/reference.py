@@ -16,6 +16,7 @@ beta ``[B, T, HV]``; states ``[N, HV, K, V]`` (KV layout). The functions here ta
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -358,8 +359,23 @@ def chunk16_kda(
     :func:`naive_recurrent_kda`. Each sequence is cut into chunks from its own start;
     the last chunk may be shorter. ``pairs``: the sequential stage two chunks a step
     (:func:`pair_step`; an odd last chunk alone, by :func:`recurrence_step`)."""
-    advance = _pair_steps if pairs else _chunk_steps
+    advance = functools.partial(_chunk_steps, chunks=2 if pairs else 1)
     return _each_sequence(advance, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def step_operands(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float, chunks: int = 1):
+    """``(rows, [ChunkOperands of each chunk in rows])`` for each sequential step of ``chunks``
+    chunks over one sequence (inputs ``[L, HV, ...]``, cut into chunks of 16 from its start; the
+    last step may hold fewer chunks, its last chunk fewer rows)."""
+    L = q.shape[0]
+    for c0 in range(0, L, chunks * CHUNK):
+        cuts = [min(c0 + i * CHUNK, L) for i in range(chunks + 1)]
+        ops = [
+            prepare_chunk(*(x[r0:r1].transpose(0, 1) for x in (q, k, g, beta)), scale)
+            for r0, r1 in zip(cuts, cuts[1:])
+            if r1 > r0
+        ]
+        yield slice(c0, cuts[-1]), ops
 
 
 def _chunk_steps(
@@ -370,13 +386,15 @@ def _chunk_steps(
     beta: torch.Tensor,
     S: torch.Tensor,
     scale: float,
+    chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepare and recurrence chunk by chunk over one sequence (inputs ``[L, HV, ...]``)."""
+    """Prepare chunk by chunk, the recurrence ``chunks`` (1 or 2) chunks a step over one
+    sequence (inputs ``[L, HV, ...]``; a pair by :func:`pair_step`, a lone chunk by
+    :func:`recurrence_step`)."""
     o = torch.zeros_like(v)
-    for c0 in range(0, q.shape[0], CHUNK):
-        rows = slice(c0, c0 + CHUNK)
-        q_c, k_c, v_c, g_c, beta_c = (x[rows].transpose(0, 1) for x in (q, k, v, g, beta))
-        O, S = recurrence_step(prepare_chunk(q_c, k_c, g_c, beta_c, scale), v_c, S)
+    for rows, ops in step_operands(q, k, g, beta, scale, chunks):
+        v_c = v[rows].transpose(0, 1)
+        O, S = pair_step(pair_operands(*ops), v_c, S) if len(ops) == 2 else recurrence_step(ops[0], v_c, S)
         o[rows] = O.transpose(0, 1)
     return o, S
 
@@ -439,32 +457,6 @@ def pair_step(ops: PairOperands, v: torch.Tensor, S: torch.Tensor) -> tuple[torc
     return O, S_next
 
 
-def _pair_steps(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    S: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepare chunk by chunk, the recurrence a pair of chunks a step (inputs ``[L, HV, ...]``)."""
-    o = torch.zeros_like(v)
-    L = q.shape[0]
-    for c0 in range(0, L, 2 * CHUNK):
-        cuts = [c0, min(c0 + CHUNK, L), min(c0 + 2 * CHUNK, L)]
-        ops = [
-            prepare_chunk(*(x[r0:r1].transpose(0, 1) for x in (q, k, g, beta)), scale)
-            for r0, r1 in zip(cuts, cuts[1:])
-            if r1 > r0
-        ]
-        rows = slice(c0, cuts[-1])
-        v_c = v[rows].transpose(0, 1)
-        O, S = pair_step(pair_operands(*ops), v_c, S) if len(ops) == 2 else recurrence_step(ops[0], v_c, S)
-        o[rows] = O.transpose(0, 1)
-    return o, S
-
-
 # ----------------------------------------------------------------------------- segments (spec section 8)
 
 
@@ -486,10 +478,8 @@ def segment_transition(
     HV, K = q.shape[1], q.shape[2]
     P = torch.eye(K, dtype=q.dtype, device=q.device).expand(HV, K, K).clone()
     R = torch.zeros(HV, K, v.shape[-1], dtype=q.dtype, device=q.device)
-    for c0 in range(0, q.shape[0], CHUNK):
-        rows = slice(c0, c0 + CHUNK)
-        q_c, k_c, v_c, g_c, beta_c = (x[rows].transpose(0, 1) for x in (q, k, v, g, beta))
-        A, b = chunk_transition(prepare_chunk(q_c, k_c, g_c, beta_c, scale), v_c)
+    for rows, (ops,) in step_operands(q, k, g, beta, scale):
+        A, b = chunk_transition(ops, v[rows].transpose(0, 1))
         P, R = A @ P, A @ R + b
     return P, R
 
