@@ -51,7 +51,9 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
-                    "kda_recurrence_w2k2": 128,
+                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80,
+                    # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (204)
+                    abi.wgmma_kernel_name(1): 255, abi.wgmma_kernel_name(2): 204,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -90,10 +92,8 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.TABLES_KERNEL,
-                           *(name for name, _ in loader.RECURRENCE_KERNELS.values()),
-                           *(name for name, _ in loader.CHAIN_KERNELS.values()), loader.PRODUCTS_KERNEL[0],
-                           *loader.DECODE_KERNELS.values()}  # fmt: skip
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL,
+                           *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills) in report.items() if spills} == {}
     for name, ceiling in REGISTER_CEILING.items():
         assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
@@ -176,6 +176,30 @@ def test_tile_swizzle_matches_the_header_formula():
         for c in range(0, 128, 3):
             assert stored[(r * 256 + ((c // 8) ^ (r % 8)) * 16 + (c % 8) * 2) // 2] == tile[r, c]
     assert torch.equal(loader.swizzle_tiles(loader.swizzle_tiles(tile)), tile)
+
+
+def test_wgmma_tile_layout_matches_the_kernels_formula():
+    """loader.sw128_tiles puts element (r, c) of an [R, 128] tile where prepare.cu's
+    wgmma_tile_offset stores it for the wgmma K2 (byte (c / 64) R 128 + r 128 + (((c % 64) / 8) ^
+    (r % 8)) 16 + (c % 8) 2) and unsw128_tiles undoes it; workspace_views(wgmma=True) reads
+    w, q_decayed and k_restored back from a block laid out so (abi.WGMMA_TILES)."""
+    for R in (16, 32):
+        tile = torch.arange(R * 128, dtype=torch.int16).view(R, 128)
+        stored = loader.sw128_tiles(tile).flatten()
+        for r in range(R):
+            for c in range(0, 128, 3):
+                at = (c // 64) * R * 128 + r * 128 + (((c % 64) // 8) ^ (r % 8)) * 16 + (c % 8) * 2
+                assert stored[at // 2] == tile[r, c], (R, r, c)
+        assert torch.equal(loader.unsw128_tiles(loader.sw128_tiles(tile)), tile)
+    heads, chunks = 2, 3
+    gen = torch.Generator().manual_seed(0)
+    w, q, k = (torch.randn(chunks, heads, 16, 128, generator=gen).to(torch.bfloat16) for _ in range(3))
+    ws = torch.zeros(chunks * heads * loader.WORKSPACE_BYTES, dtype=torch.uint8)
+    blocks = ws.view(chunks, heads, loader.WORKSPACE_BYTES)
+    for (offset, rows), tiles in zip(abi.WGMMA_TILES.values(), (torch.cat([w, q], -2), k), strict=True):
+        blocks[..., offset : offset + rows * 256] = loader.sw128_tiles(tiles).contiguous().view(torch.uint8).flatten(2)
+    views = loader.workspace_views(ws, chunks, heads, wgmma=True)
+    assert torch.equal(views["w"], w) and torch.equal(views["q_decayed"], q) and torch.equal(views["k_restored"], k)
 
 
 def test_workspace_views_decode_the_block_layout():
@@ -428,6 +452,19 @@ def test_gpu_cuda_steep_lower_bound_takes_the_pairwise_rows(cuda_on):
     assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 
 
+def spy_launches(monkeypatch) -> list[str]:
+    """The names of the kernels launched from here on, in order (the launches still happen)."""
+    launched = []
+    launch = loader.Kernels.launch
+
+    def spy(self, name, *args, **kwargs):
+        launched.append(name)
+        return launch(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(loader.Kernels, "launch", spy)
+    return launched
+
+
 def run_poisoned(p, layout: bool, state_dtype: torch.dtype, label: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """K1 and K2 of ``p`` into NaN-filled outputs inside NaN guard bands: every output element
     written, nothing written outside them. ``(o, final state)``."""
@@ -470,14 +507,7 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
     case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, "lower_bound", False, True, seed=31)
     case.initial_state = case.initial_state.to(state_dtype)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
-    launched = []
-    launch = loader.Kernels.launch
-
-    def spy(self, name, *args, **kwargs):
-        launched.append(name)
-        return launch(self, name, *args, **kwargs)
-
-    monkeypatch.setattr(loader.Kernels, "launch", spy)
+    launched = spy_launches(monkeypatch)
     results = {}
     for w in ("2", "2k2"):
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", w)
@@ -489,6 +519,92 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o_split, o_ref, 5e-3, "o")
     assert rel(o_split, o_ref) <= 1.05 * rel(o2, o_ref) + 1e-5
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("ctas", [1, 2])
+@pytest.mark.parametrize("layout,state_dtype,with_state", [(False, torch.float32, True), (True, torch.bfloat16, True),
+                                                           (True, torch.float32, False)])  # fmt: skip
+def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
+    cuda_on, monkeypatch, ctas, layout, state_dtype, with_state
+):
+    """The wgmma K2 (KDA_CUDA_WARPS=wgmma1 / wgmma2, with K1's twin storing its tiles for it):
+    every output written and nothing else, on varlen with empty, one-token, partial and long
+    sequences, both state layouts, float32 and bf16 states, with and without an initial state;
+    as accurate against float64 as the mma.sync K2 on the same inputs, and equal to it within
+    float32 rounding of the accumulation order."""
+    case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, "lower_bound", False, with_state, seed=41 + ctas)
+    if with_state:
+        case.initial_state = case.initial_state.to(state_dtype)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
+    launched = spy_launches(monkeypatch)
+    results = {}
+    for route in ("mma", f"wgmma{ctas}"):
+        monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
+        results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
+    launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
+    assert launched[2:] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(ctas)], launched
+    assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
+    (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
+    assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
+    o_ref, ht_ref = fp64_reference(case)
+    assert_close_fp64(o_w, o_ref, 5e-3, "o")
+    assert_close_fp64(ht_w, ht_ref, 5e-3, "state")
+    assert rel(o_w, o_ref) <= 1.02 * rel(o_mma, o_ref) + 1e-5
+    assert rel(ht_w.double(), ht_ref) <= 1.02 * rel(ht_mma.double(), ht_ref) + 1e-5
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
+    """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
+    read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
+    for bit, on every real chunk."""
+    from kda.cuda.forward import run_stages, workspace_bytes
+
+    case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    tables = chunk_tables(p)
+    real = int(tables.chunk_offsets[-1])
+    views = {}
+    for route in ("mma", "wgmma1"):
+        monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
+        ws = torch.full((workspace_bytes(p),), 255, dtype=torch.uint8, device="cuda")
+        run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws)
+        views[route] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
+    for name, x in views["mma"].items():
+        assert torch.equal(views["wgmma1"][name][:real], x[:real]), name
+
+
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_wgmma_recurrence_runs_by_the_rule(cuda_on, switches):
+    """Where two CTAs a (sequence, head) pair fill the SMs the call takes the wgmma K2 (the
+    dispatch log says so, after the launch), as float64 says it should; with too few heads, a
+    steep lower bound (K1's far entry point) or KDA_CUDA_WARPS=mma it does not."""
+    from kda.cuda.forward import WGMMA_MIN_FILL, sm_count
+
+    switches("KDA_CUDA_WARPS", None)
+    sms = sm_count(torch.cuda.current_device())
+    for H, lower_bound, want in ((sms // 2, -5.0, "cuda:recurrence:wgmma1"), (sms, -5.0, "cuda:recurrence:wgmma2"),
+                                 (int(WGMMA_MIN_FILL * sms) // 2 - 1, -5.0, None), (sms, -8.0, None)):  # fmt: skip
+        case = cuda_case([40], H, True, "lower_bound", False, True, seed=44)
+        kw = case.kwargs(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
+        with kda.record_dispatch() as events:
+            o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+        wgmma = [e for e in events if e.startswith("cuda:recurrence:")]
+        assert wgmma == ([want] if want else []), (H, lower_bound, events)
+        c64 = case.to(torch.float64)
+        o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs(lower_bound=lower_bound,
+                                      safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN))  # fmt: skip
+        assert_close_fp64(o, o_ref, 5e-3, "o")
+        assert_close_fp64(ht, ht_ref, 5e-3, "state")
+    switches("KDA_CUDA_WARPS", "mma")
+    case = cuda_case([40], sms, True, "lower_bound", False, True, seed=45)
+    with kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+    assert not [e for e in events if e.startswith("cuda:recurrence:")], events
 
 
 @pytest.mark.gpu
@@ -520,12 +636,13 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
-@pytest.mark.parametrize("width", [None, "2", "4"])
+@pytest.mark.parametrize("width", [None, "2", "4", "wgmma2"])
 def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypatch, width):
     """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1, the second with
     v taken as zeros without reading v): each call's outputs are those of the call alone with its
     v, bit for bit (K2 reads the same workspace either way, and a zero v tile is zeros). At the
     rule's width (K split, for these few pairs) and at the two unsplit ones."""
+    from kda.cuda import forward
     from kda.cuda.forward import chunk_forward_runs
 
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", width)
@@ -540,7 +657,8 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypa
     problems[1].v = v  # the second run's v is zeros, read as such (v_zero): its problem's v is a template
     with kda.record_dispatch() as events:
         got = chunk_forward_runs(problems, v_zero=[False, True])
-    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence"], events
+    wgmma = [f"cuda:recurrence:{width}"] if width in forward.WGMMA_OVERRIDES else []
+    assert events == ["cuda:prepare", "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
     for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
         o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)
@@ -682,7 +800,9 @@ def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threa
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on):
+@pytest.mark.parametrize("width", [None, "wgmma2"])
+def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on, monkeypatch, width):
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", width)
     assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
 
 

@@ -190,6 +190,46 @@ def test_forward_and_backward_launch_the_prepare_entry_point_the_gate_needs(
     assert want not in (launched[1], launched[3])
 
 
+@pytest.mark.parametrize(
+    "H, lower_bound, checkpoints, override, want",
+    [(64, -5.0, False, None, 1), (96, -5.0, False, None, 2), (600, -5.0, False, None, 2), (59, -5.0, False, None, 0),
+     (60, -5.0, False, None, 1), (64, -8.0, False, None, 0), (64, -5.0, True, None, 0), (64, -5.0, False, "mma", 0),
+     (64, -5.0, False, "2", 0), (2, -5.0, False, "wgmma2", 2), (2, -5.0, False, "wgmma1", 1),
+     (2, -8.0, False, "wgmma1", 0), (96, -5.0, True, "wgmma2", 0)],
+)  # fmt: skip
+def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, H, lower_bound, checkpoints, override,
+                                                     want):  # fmt: skip
+    """forward.recurrence_kind on 132 SMs, and what the forward hands the driver for it: where
+    two CTAs a (sequence, head) pair fill 90% of the SMs (119 CTAs: H >= 60 for one sequence),
+    K1's twin that stores its tiles for wgmma (kda_prepare_wgmma), then the wgmma K2 at one CTA
+    an SM up to a wave and two past it (its grid, 160 threads, its shared memory), and the
+    dispatch log says so; never for K1's far entry point (lb < -5.025) nor with training
+    checkpoints, which it does not write; KDA_CUDA_WARPS forces either kind."""
+    from kda.triton.training import checkpoint_shape
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", override)
+    case = make_case(seq_lens=[20], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    kw = case.kwargs(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
+    with kda.record_dispatch() as events:
+        forward.chunk_forward(p, torch.empty(checkpoint_shape(p)) if checkpoints else None)
+    names = {int(handle): name for name, handle in kernels.kernels.items()}
+    (k1_args, _), (k2_args, block) = libcuda.calls
+    k1, k2 = names[k1_args[0]], names[k2_args[0]]
+    assert events[:2] == ["cuda:prepare", "cuda:recurrence"], events
+    if want:
+        assert (k1, k2) == (abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(want))
+        assert k2_args[1:8] == (2 * H, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(want))
+        assert events[2:] == [f"cuda:recurrence:wgmma{want}"], events
+    else:
+        assert k1 == (abi.PREPARE_KERNEL if lower_bound >= -5.0 else abi.PREPARE_FAR_KERNEL), k1
+        assert k2.startswith("kda_recurrence_w") and not k2.startswith("kda_recurrence_wgmma"), k2
+        assert events[2:] == [], events
+    assert bool(block.flags & forward.FLAG_STORE_CHECKPOINTS) == checkpoints
+
+
 def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
     """kda.cuda.forward.chunk_forward_runs (the segment split's transition runs): K1 once, with
     the first call's block, then K2 for every call with its own v, states and outputs and the same

@@ -192,6 +192,7 @@ def _layout() -> tuple[dict, int]:
 
 WORKSPACE_FIELDS, WORKSPACE_BYTES = _layout()  # name -> (byte offset, dtype, shape); bytes per block
 assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
+assert WORKSPACE_FIELDS["inverse_beta_hi"][0] == 3 * CHUNK * HEAD_DIM * 2, "the three tiles lead the block"
 
 PREPARE_THREADS = 128  # threads of a prepare CTA (one per K column)
 # K1's entry points (prepare.cu): where no row of a chunk can decay past 2^-EXP2_LIMIT, and the
@@ -215,6 +216,31 @@ RECURRENCE_WIDTHS = (1, 2, 4)  # warps per recurrence CTA (16 V columns each): o
 # 2026-12-04, run 79).
 RECURRENCE_SPLIT_WIDTHS = (2,)
 CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (recurrence.cu)
+
+# K2 on warpgroup MMAs (recurrence.cu kda_recurrence_wgmma_c1, _c2; 2026-12-04): a CTA is one
+# warpgroup (four consumer warps, 64 V rows, two CTAs a (sequence, head)) and a producer warp;
+# wgmma reads K1's three [16, 128] tiles from shared memory in the 128-byte-swizzled layout
+# that K1's twin entry point PREPARE_WGMMA_KERNEL stores them in (WGMMA_TILES), over the first
+# 12 KB of the block; the rest of the block is WORKSPACE's. One entry point a count of CTAs an SM
+# (its pipeline stages: shared memory and registers for that many).
+PREPARE_WGMMA_KERNEL = "kda_prepare_wgmma"
+WGMMA_THREADS = 160
+WGMMA_STAGE_BYTES = 17408  # a workspace block + 16 v rows of 64 columns, padded by 16 B, to 1 KB
+WGMMA_STAGES = {1: 6, 2: 4}  # CTAs an SM -> stages (at three, a step waited ~190 cycles: run 108)
+# [w; q_decayed] as [32 rows, 128 columns] (K-major), then k_restored as [16 tokens, 128]
+# (MN-major), each as two 64-column halves of [rows, 128 B] with 16-byte piece p of row r at
+# p ^ (r % 8) (loader.sw128_tiles): name -> (byte offset, rows).
+WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
+
+
+def wgmma_kernel_name(ctas_per_sm: int) -> str:
+    return f"kda_recurrence_wgmma_c{ctas_per_sm}"
+
+
+def wgmma_shared_bytes(ctas_per_sm: int) -> int:
+    """Dynamic shared memory of a wgmma K2 CTA: 1 KB to align the stages (the swizzle atoms need
+    1024-byte alignment), its stages, two [16, 16] bf16 output tiles a consumer warp."""
+    return 1024 + WGMMA_STAGES[ctas_per_sm] * WGMMA_STAGE_BYTES + 4 * 2 * CHUNK * 16 * 2
 
 
 # The training backward's state-products kernel (recurrence.cu kda_state_products): work items of
@@ -307,6 +333,16 @@ def header() -> str:
         f"constexpr int kProductStages = {PRODUCT_STAGES};",
         f"constexpr int kProductRowBytes = {PRODUCT_ROW_BYTES};",
         f"constexpr int kProductsSharedBytes = {products_shared_bytes()};",
+        "",
+        f"constexpr int kWgmmaThreads = {WGMMA_THREADS};",
+        f"constexpr int kWgmmaStageBytes = {WGMMA_STAGE_BYTES};",
+        *(f"constexpr int kWgmmaTiles{name.capitalize()} = {offset};" for name, (offset, _) in WGMMA_TILES.items()),
+        "constexpr int wgmma_stages(int ctas_per_sm) {",
+        "  return " + " : ".join(f"ctas_per_sm == {c} ? {n}" for c, n in WGMMA_STAGES.items()) + " : -1;",
+        "}",
+        "constexpr int wgmma_shared_bytes(int ctas_per_sm) {",
+        "  return " + " : ".join(f"ctas_per_sm == {c} ? {wgmma_shared_bytes(c)}" for c in WGMMA_STAGES) + " : -1;",
+        "}",
         "",
         "constexpr int recurrence_shared_bytes(int warps, int ksplit = 1) {",
         "  return "

@@ -13,7 +13,8 @@ reverse chain and state products here too where the gate is the safe lower-bound
 backward's local gradients run on Triton (:mod:`kda.autograd`).
 
 ``KDA_CUDA=0`` turns the backend off; ``KDA_CUDA_WARPS`` fixes the recurrence's CTA width
-(``forward.recurrence_width``); ``KDA_CUDA_BLOCKS`` the time blocks of a long sequence
+(``forward.recurrence_width``) or kind (``mma``, ``wgmma1``, ``wgmma2``:
+``forward.recurrence_kind``); ``KDA_CUDA_BLOCKS`` the time blocks of a long sequence
 whose K1 runs beside K2 (``forward.pipeline_blocks``); ``KDA_CUDA_BACKWARD_CHAIN=0`` keeps a training backward's reverse
 chain on Triton (its prepare stage and chain) after a forward here; ``KDA_CUDA_STATE_PRODUCTS=0``
 keeps its state products on Triton after the CUDA chain. All are read once, at import

@@ -15,10 +15,22 @@ from kda.dispatch import log_once, note, on_device
 from kda.tables import build_tables, chunk_slots, chunk_tables
 from kda.validation import Problem
 
-# KDA_CUDA_WARPS's values: (16-row V groups a CTA, warps each group's K is split among).
+# KDA_CUDA_WARPS's values: (16-row V groups a CTA, warps each group's K is split among) of the
+# mma.sync K2; "mma": that K2 at the rule's width, never the wgmma one; "wgmma1", "wgmma2": the
+# wgmma K2 at one or two CTAs an SM, wherever it can run (recurrence_kind).
 RECURRENCE_OVERRIDES = {str(w): (w, 1) for w in abi.RECURRENCE_WIDTHS} | {
     f"{w}k2": (w, 2) for w in abi.RECURRENCE_SPLIT_WIDTHS
 }
+WGMMA_OVERRIDES = {f"wgmma{ctas}": ctas for ctas in abi.WGMMA_STAGES}
+NO_WIDTH_OVERRIDES = ("mma", *WGMMA_OVERRIDES)  # values that leave the mma.sync width to the rule
+# The wgmma K2 (recurrence.cu kda_recurrence_wgmma_c1, _c2) where its grid, two CTAs a pair, fills
+# at least this share of the SMs. On the H200 (2026-12-04, run 121, one process, medians of three
+# passes, benchmarks/NOTES.md), the call against the same call on the mma.sync K2: 1x8192 H64 (128
+# CTAs, one an SM) 0.633 against 0.747 ms; two an SM: 1x8192 H96 (192 CTAs) 0.926 against 1.016,
+# varlen6 H96 0.926 against 0.963, 1024x8 H96 0.941 against 0.982; run 122: 16x4096 H32 2.372
+# against 2.561, 16x2048 H16 0.607 against 0.659. Where the grid leaves SMs idle it loses: 1x32768
+# H32 (64 CTAs) 1.79 against 1.61 ms (run 120).
+WGMMA_MIN_FILL = 0.9
 
 
 def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
@@ -35,16 +47,35 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     (2026-12-04, run 79). ``KDA_CUDA_WARPS`` (1, 2, 4, or 2k2) overrides the choice (read at
     import: ``kda.cuda.read_switches``)."""
     override = switches.WARPS_OVERRIDE
-    if override is None:
+    if override is None or override in NO_WIDTH_OVERRIDES:
         if 2 * pairs <= sms:
             return (2, 2)
         return (4, 1) if pairs >= 3 * sms else (2, 1)
     if override not in RECURRENCE_OVERRIDES:
         raise ValueError(
-            f"KDA_CUDA_WARPS must be one of {', '.join(RECURRENCE_OVERRIDES)} (the recurrence's CTA width), "
-            f"got {override!r}"
+            f"KDA_CUDA_WARPS must be one of {', '.join([*RECURRENCE_OVERRIDES, *NO_WIDTH_OVERRIDES])} "
+            f"(the recurrence's CTA width or kind), got {override!r}"
         )
     return RECURRENCE_OVERRIDES[override]
+
+
+def recurrence_kind(p: Problem, sms: int, checkpoints: bool) -> int:
+    """CTAs an SM of the wgmma K2 for ``p`` (1 or 2), or 0 for the mma.sync K2
+    (:func:`recurrence_width`). The wgmma K2 writes no training checkpoints and reads K1's tiles
+    as kda_prepare_wgmma stores them, the twin of the gate kda_prepare serves (no row past the
+    exponent limit), so only such calls take it: by ``KDA_CUDA_WARPS`` (``wgmma1``, ``wgmma2``) or
+    where its grid of two CTAs a (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of the SMs,
+    one CTA an SM up to one wave and two beyond (an explicit mma.sync width, or ``mma``, keeps
+    the mma.sync K2)."""
+    if checkpoints or prepare_kernel(p) != abi.PREPARE_KERNEL:
+        return 0
+    override = switches.WARPS_OVERRIDE
+    if override is not None:
+        return WGMMA_OVERRIDES.get(override, 0)
+    ctas = chain_grid(4, p.N * p.H)
+    if ctas < WGMMA_MIN_FILL * sms:
+        return 0
+    return 1 if ctas <= sms else 2
 
 
 # K1 beside K2 (pipeline_blocks): a long single sequence whose recurrence grid leaves most of
@@ -497,18 +528,26 @@ def _launch(
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
-    warps, ksplit = recurrence_width(N * H, sm_count(device_index))
+    sms = sm_count(device_index)
+    wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
+    if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
+        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
+        grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS
+    else:
+        warps, ksplit = recurrence_width(N * H, sms)
+        prepare_name, (name, shared_bytes) = prepare_kernel(p), loader.RECURRENCE_KERNELS[warps, ksplit]
+        grid, threads = (chain_grid(warps, N * H), 1), 32 * (warps * ksplit + 1)  # consumers and a producer warp
     params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            kernels.launch(prepare_kernel(p), (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch(prepare_name, (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
         if not run_recurrence:
             return
-        grid = (chain_grid(warps, N * H), 1)
-        threads = 32 * (warps * ksplit + 1)  # the consumer warps and one producer warp
-        name, shared_bytes = loader.RECURRENCE_KERNELS[warps, ksplit]
         kernels.launch(name, grid, threads, shared_bytes, stream)
         note("cuda:recurrence")
+        if wgmma_ctas:
+            note(f"cuda:recurrence:wgmma{wgmma_ctas}")
+            log_once(f"chunk_kda: K2 on wgmma, {wgmma_ctas} CTA(s) an SM ({name})")

@@ -105,6 +105,10 @@ RECURRENCE_KERNELS = {
     (warps, 2): (f"kda_recurrence_w{warps}k2", abi.recurrence_shared_bytes(warps, 2))
     for warps in abi.RECURRENCE_SPLIT_WIDTHS
 }
+# K2 on wgmma (abi.WGMMA_*): per count of CTAs an SM, its entry point and dynamic shared memory.
+RECURRENCE_WGMMA_KERNELS = {
+    ctas: (abi.wgmma_kernel_name(ctas), abi.wgmma_shared_bytes(ctas)) for ctas in abi.WGMMA_STAGES
+}
 # The training backward's reverse chain: K2's pipeline and stages, so its shared memory.
 CHAIN_KERNELS = {
     warps: (f"kda_state_grad_chain_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in abi.CHAIN_WIDTHS
@@ -113,6 +117,10 @@ CHAIN_KERNELS = {
 # The training backward's state products (recurrence.cu): one entry point, its shared memory.
 PRODUCTS_KERNEL = ("kda_state_products", abi.products_shared_bytes())
 PRODUCT_THREADS = 32 * (abi.PRODUCT_WARPS + 1)  # the consumer warps and one producer warp
+# recurrence.fatbin's entry points with their dynamic shared memory (set as each one's maximum).
+SIZED_KERNELS = (
+    *RECURRENCE_KERNELS.values(), *RECURRENCE_WGMMA_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL
+)  # fmt: skip
 
 
 def swizzle_tiles(tiles):
@@ -126,9 +134,34 @@ def swizzle_tiles(tiles):
     return grouped[..., rows, pieces, :].reshape(tiles.shape)
 
 
-def workspace_views(workspace, num_chunks: int, heads: int) -> dict:
+def sw128_tiles(x):
+    """Row-major bf16 ``[..., R, 128]`` -> the wgmma K2's stored layout (abi.WGMMA_TILES): two
+    64-column halves of ``[R, 128 B]``, 16-byte piece p of row r at p ^ (r % 8); as ``[..., 2 R, 64]``
+    (the halves one after the other). :func:`unsw128_tiles` is its inverse."""
+    import torch
+
+    R = x.shape[-2]
+    pieces = x.reshape(*x.shape[:-2], R, 2, 8, 8).transpose(-4, -3)  # [..., half, row, piece, 8]
+    rows = torch.arange(R, device=x.device)[:, None]
+    swizzled = pieces[..., rows, torch.arange(8, device=x.device)[None, :] ^ (rows % 8), :]
+    return swizzled.reshape(*x.shape[:-2], 2 * R, 64)
+
+
+def unsw128_tiles(stored):
+    """:func:`sw128_tiles`' inverse: ``[..., 2 R, 64]`` as stored -> row-major ``[..., R, 128]``."""
+    import torch
+
+    R = stored.shape[-2] // 2
+    pieces = stored.reshape(*stored.shape[:-2], 2, R, 8, 8)  # [..., half, row, stored piece, 8]
+    rows = torch.arange(R, device=stored.device)[:, None]
+    unswizzled = pieces[..., rows, torch.arange(8, device=stored.device)[None, :] ^ (rows % 8), :]
+    return unswizzled.transpose(-4, -3).reshape(*stored.shape[:-2], R, 128)
+
+
+def workspace_views(workspace, num_chunks: int, heads: int, wgmma: bool = False) -> dict:
     """Named row-major copies ``[num_chunks, heads, *shape]`` of K1's workspace fields (tests
-    compare them with the Triton prepare stage)."""
+    compare them with the Triton prepare stage); ``wgmma``: as kda_prepare_wgmma stores its
+    three tiles (abi.WGMMA_TILES)."""
     import torch
 
     blocks = workspace[: num_chunks * heads * WORKSPACE_BYTES].view(num_chunks, heads, WORKSPACE_BYTES)
@@ -139,6 +172,15 @@ def workspace_views(workspace, num_chunks: int, heads: int) -> dict:
         views[name] = blocks[:, :, offset : offset + size].contiguous().view(dt).view(num_chunks, heads, *shape)
         if shape == (16, 128):
             views[name] = swizzle_tiles(views[name])
+    if wgmma:
+        for tile, (offset, rows) in abi.WGMMA_TILES.items():
+            size = rows * 128 * 2
+            stored = blocks[:, :, offset : offset + size].contiguous().view(torch.bfloat16)
+            rowmajor = unsw128_tiles(stored.view(num_chunks, heads, 2 * rows, 64))
+            if tile == "wq":
+                views["w"], views["q_decayed"] = rowmajor[..., : abi.CHUNK, :], rowmajor[..., abi.CHUNK :, :]
+            else:
+                views["k_restored"] = rowmajor
     return views
 
 
@@ -184,10 +226,8 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.TABLES_KERNEL),
-            "recurrence.fatbin": tuple(
-                name for name, _ in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL)
-            ),
+            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL),
+            "recurrence.fatbin": tuple(name for name, _ in SIZED_KERNELS),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
         for artefact, names in entry_points.items():
@@ -267,7 +307,7 @@ class Kernels:
         ]
         settings += [
             (attributes.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes, self.kernels[name])
-            for name, shared_bytes in (*RECURRENCE_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL)
+            for name, shared_bytes in SIZED_KERNELS
         ]
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")

@@ -82,6 +82,12 @@ struct PrepareShared<true> : PrepareTiles {
 static_assert(__builtin_offsetof(PrepareShared<true>, ki_tile) % 16 == 0, "ki's float2 and fragment accesses");
 #pragma nv_diagnostic pop
 
+// Byte offset of bf16 element (r, c) of a [rows, 128] tile as the wgmma K2 reads it
+// (abi.WGMMA_TILES): two 64-column halves of [rows, 128 B], 16-byte piece p of row r at p ^ (r % 8).
+__device__ __forceinline__ int wgmma_tile_offset(int rows, int r, int c) {
+  return (c >> 6) * rows * 128 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+}
+
 __device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
   return is_f32 ? static_cast<const float*>(base)[index]
                 : __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
@@ -156,7 +162,7 @@ struct PairRows {
 // Tiles tile0 .. tile0 + kTiles - 1 (channels 8 tile ..) of w = inverse_beta K~, in 3xTF32
 // (a: inverse_beta as the left operand). An accumulator row holds two adjacent channels,
 // stored as one bf16 pair.
-template <int kTiles>
+template <int kTiles, bool kWgmmaTiles>
 __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws, int tile0, const float (&a)[2][4],
                                         int g, int t) {
   // tile_offset(g, 8 tile + 2 t) = w_row + 16 (tile ^ g); row g + 8 has the same swizzle.
@@ -169,14 +175,22 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
       const float b[2] = {s.kd[k0 + t][n0 + g], s.kd[k0 + t + 4][n0 + g]};
       mma_3xtf32_single(d, a[k0 / 8], b);
     }
-    uint32_t* const w_at = reinterpret_cast<uint32_t*>(w_row + ((tile ^ g) << 4));
-    w_at[0] = pack_bf16(d[0], d[1]);
-    w_at[8 * kHeadDim / 2] = pack_bf16(d[2], d[3]);  // row g + 8
+    if constexpr (kWgmmaTiles) {  // rows 0-15 of [w; q_decayed]
+      const int c = n0 + 2 * t;
+      *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, c)) = pack_bf16(d[0], d[1]);
+      *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g + 8, c)) =
+          pack_bf16(d[2], d[3]);
+    } else {
+      uint32_t* const w_at = reinterpret_cast<uint32_t*>(w_row + ((tile ^ g) << 4));
+      w_at[0] = pack_bf16(d[0], d[1]);
+      w_at[8 * kHeadDim / 2] = pack_bf16(d[2], d[3]);  // row g + 8
+    }
   }
 }
 
-// Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit.
-template <bool kMayBeFar>
+// Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit;
+// kWgmmaTiles: the three tiles in the wgmma K2's layout (abi.WGMMA_TILES), not ldmatrix's.
+template <bool kMayBeFar, bool kWgmmaTiles>
 __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMayBeFar>& s, const PairRows& pr,
                                              const float (&G)[2][8], const float (&G16)[2], unsigned char* ws) {
   using WS = WorkspaceLayout;
@@ -221,9 +235,16 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     *reinterpret_cast<float2*>(&s.qd[r][pr.c0]) = make_float2(qd[0], qd[1]);
     *reinterpret_cast<float2*>(&s.kd[r][pr.c0]) = make_float2(kd[0], kd[1]);
     *reinterpret_cast<float2*>(&s.ki()[r][pr.c0]) = make_float2(ki[0], ki[1]);
-    unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
-    *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
-    *reinterpret_cast<uint32_t*>(ws_at + WS::k_restored) = pack_bf16(restored[0], restored[1]);
+    if constexpr (kWgmmaTiles) {  // q_decayed: rows 16-31 of [w; q_decayed]
+      *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r, pr.c0)) =
+          pack_bf16(qd[0], qd[1]);
+      *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesKr + wgmma_tile_offset(kChunk, r, pr.c0)) =
+          pack_bf16(restored[0], restored[1]);
+    } else {
+      unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
+      *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
+      *reinterpret_cast<uint32_t*>(ws_at + WS::k_restored) = pack_bf16(restored[0], restored[1]);
+    }
   }
   if (pr.r0 == 0) *reinterpret_cast<float2*>(ws + WS::gamma + pr.c0 * 4) = make_float2(gamma[0], gamma[1]);
   if constexpr (kMayBeFar) {
@@ -331,30 +352,20 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
   float a[2][4];
   for (int k0 = 0; k0 < kChunk; k0 += 8) left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
   if (warp == 0)
-    w_tiles<1>(s, ws, 0, a, g_row, t_col);
+    w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col);
   else
-    w_tiles<5>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
+    w_tiles<5, kWgmmaTiles>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
 }
 
-// The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
-// (abi.prepare_kernel_name, which picks the entry point).
+// Step 1 and the gate for one chunk (bos: its first token; rows of them): the inputs in shared
+// memory, beta and the l2norm factors there, and this thread's cumulative log2-decay G (and G16,
+// the chunk's total) in registers.
 template <bool kMayBeFar>
-__device__ __forceinline__ void prepare_chunk(const Params& p) {
-  __shared__ PrepareShared<kMayBeFar> s;
-  const int64_t c = blockIdx.x;
-  const int64_t h = blockIdx.y;
+__device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBeFar>& s, int64_t bos, int rows,
+                                           int64_t h, const PairRows& pr, float (&G)[2][8], float (&G16)[2]) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __builtin_assume(tid >= 0 && tid < kThreads);
-
-  const int64_t n = p.chunk_seq[c];
-  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
-  const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
-  // A slot past the call's real chunks (the tables have room for the most the shapes allow):
-  // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
-  if (left <= 0) return;
-  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), left));
   const bool g_f32 = p.flags & kGFloat32;
-  unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
 
   // 1. Inputs -> shared memory, 16-byte pieces: thread tid loads piece tid % 16 of rows
   // tid / 16 and tid / 16 + 8 (and of fp32 g, piece tid % 32 of rows tid / 32 + 4 i).
@@ -396,7 +407,6 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
     }
   }
   if (tid == 0) s.far_rows = 0;
-  const PairRows pr(tid);
   const bool lower_bound = p.flags & kGateLowerBound;
   // The gate lb * sigmoid(a (g + bias)) in base 2 is gate_scale / (1 + 2^(g gate_mul + gate_add)).
   const float gate_a = lower_bound && (p.flags & kHasALog) ? expf(p.A_log[h]) : 1.f;
@@ -436,7 +446,7 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   }
   // Gate and cumulative log2-decay of this thread's two channels and eight rows, first from
   // the first of those rows on.
-  float G[2][8], acc[2] = {0.f, 0.f};
+  float acc[2] = {0.f, 0.f};
   if (lower_bound && !g_f32) {  // the common case, apart so that the loop carries no selects
     for (int r8 = 0; r8 < 8; ++r8) {
       const uint32_t gv = *reinterpret_cast<const uint32_t*>(&s.g.g16[pr.r0 + r8][pr.c0]);
@@ -464,7 +474,6 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
         if (pr.r0 + r8 >= rows) G[e][r8] = r8 > 0 ? G[e][r8 - 1] : 0.f;
   }
   // The upper half adds the lower half's total (lane - 16); then G_16 is the upper half's last.
-  float G16[2];
   for (int e = 0; e < 2; ++e) {
     const float below = __shfl_up_sync(0xffffffffu, G[e][7], 16);
     const float base = pr.r0 ? below : 0.f;
@@ -473,7 +482,27 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   }
   __syncthreads();  // every thread has read g (G may replace it) and warps 2, 3 have written the norms
 
-  prepare_body<kMayBeFar>(p, s, pr, G, G16, ws);
+}
+
+// The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
+// (abi.prepare_kernel_name, which picks the entry point); kWgmmaTiles: see prepare_body.
+template <bool kMayBeFar, bool kWgmmaTiles = false>
+__device__ __forceinline__ void prepare_chunk(const Params& p) {
+  __shared__ PrepareShared<kMayBeFar> s;
+  const int64_t c = blockIdx.x;
+  const int64_t h = blockIdx.y;
+  const int64_t n = p.chunk_seq[c];
+  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
+  const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
+  // A slot past the call's real chunks (the tables have room for the most the shapes allow):
+  // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
+  if (left <= 0) return;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kChunk), left));
+  unsigned char* ws = p.workspace + (c * p.heads + h) * kWorkspaceBytes;
+  const PairRows pr(threadIdx.x);
+  float G[2][8], G16[2];
+  load_chunk<kMayBeFar>(p, s, bos, rows, h, pr, G, G16);
+  prepare_body<kMayBeFar, kWgmmaTiles>(p, s, pr, G, G16, ws);
 }
 
 }  // namespace
@@ -485,6 +514,12 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
 // benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Params p) { prepare_chunk<false>(p); }
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const Params p) { prepare_chunk<true>(p); }
+// kda_prepare with its tiles in the wgmma K2's layout (abi.PREPARE_WGMMA_KERNEL): the same
+// arithmetic and shared memory, other store addresses (1x8192 H96 0.4468 ms against 0.4461, run
+// 120). Only the gates kda_prepare serves take the wgmma K2 (kda.cuda.forward.recurrence_kind).
+extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(const Params p) {
+  prepare_chunk<false, true>(p);
+}
 
 }  // namespace kda
 

@@ -22,6 +22,9 @@
 // CTAs take (sequence, head) pairs longest sequence first (Params::seq_order).
 #include "kda_cuda.cuh"
 
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
 namespace kda {
 namespace {
 
@@ -910,6 +913,194 @@ __device__ __forceinline__ void state_products(const Params& p) {
   }
 }
 
+// ---- K2 on warpgroup MMAs (abi.WGMMA_*; 2026-12-04, runs 111-120) ---------------------------
+//
+// One warpgroup (four consumer warps, 64 V rows: S^T [64, 128] in wgmma accumulators, the same
+// per-warp layout as the mma.sync tiles above) and a producer warp a CTA. The chain's two large
+// products run on wgmma with S^T (and U^T) as the register operand: S^T [w; q_decayed]^T as
+// eight m64n32k16 steps over K, and S^T += U^T k_restored as one m64n128k16. V^T inverse_beta^T
+// and U^T M^T stay on mma.sync (per warp, 16 x 16). wgmma reads its B operand from shared memory
+// in a canonical 128-byte-swizzled layout, which K1's twin entry point (prepare.cu
+// kda_prepare_wgmma) stores its three tiles in (abi.WGMMA_TILES): [w; q_decayed] as two K halves
+// of [32 rows, 128 B] (K-major), then k_restored as two N halves of [16 tokens, 128 B]
+// (MN-major); the rest of the block is K1's usual. The stage is the usual pipeline's (the
+// producer as in recurrence<4>), its stages 1024-byte aligned for the swizzle atoms.
+//
+// Why (H200, benchmarks/NOTES.md, runs 111-120): per SM a wgmma step takes about as long as an
+// mma.sync step (about 1150 cycles, the fixed scalar costs of one warpgroup: conversions, the
+// gamma scaling, arrivals) but covers 64 V rows instead of 32, and it draws less power (1x32768
+// H32: 434 W against 662 W). It wins where its grid (two CTAs a pair) fills the GPU: 1x8192 H64
+// (128 CTAs, one an SM) K2 0.307 against 0.406 ms; two CTAs an SM (kda_recurrence_wgmma_c2) on
+// 1x8192 H96 0.468 against 0.482 and 1024x8 H96 0.415 against 0.460; and loses where the grid
+// leaves SMs idle (1x32768 H32, 64 CTAs: 1.18 against 1.00).
+namespace gmma = cute::SM90::GMMA;
+
+// A 128-byte-swizzle descriptor: start address, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t smem_address, int lbo, int sbo) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(smem_address >> 4);
+  desc.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+  desc.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = static_cast<uint8_t>(gmma::LayoutType::B128);
+  return desc.desc_;
+}
+
+__device__ __forceinline__ void wgmma_64x32(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc, bool accumulate) {
+  gmma::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>::fma(
+      a[0], a[1], a[2], a[3], desc, d[0][0], d[0][1], d[0][2], d[0][3], d[1][0], d[1][1], d[1][2], d[1][3], d[2][0],
+      d[2][1], d[2][2], d[2][3], d[3][0], d[3][1], d[3][2], d[3][3],
+      accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void wgmma_64x128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) {
+  gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>::fma(
+      a[0], a[1], a[2], a[3], desc, d[0][0], d[0][1], d[0][2], d[0][3], d[1][0], d[1][1], d[1][2], d[1][3], d[2][0],
+      d[2][1], d[2][2], d[2][3], d[3][0], d[3][1], d[3][2], d[3][3], d[4][0], d[4][1], d[4][2], d[4][3], d[5][0],
+      d[5][1], d[5][2], d[5][3], d[6][0], d[6][1], d[6][2], d[6][3], d[7][0], d[7][1], d[7][2], d[7][3], d[8][0],
+      d[8][1], d[8][2], d[8][3], d[9][0], d[9][1], d[9][2], d[9][3], d[10][0], d[10][1], d[10][2], d[10][3], d[11][0],
+      d[11][1], d[11][2], d[11][3], d[12][0], d[12][1], d[12][2], d[12][3], d[13][0], d[13][1], d[13][2], d[13][3],
+      d[14][0], d[14][1], d[14][2], d[14][3], d[15][0], d[15][1], d[15][2], d[15][3], gmma::ScaleOut::One);
+}
+
+// The registers a wgmma reads or writes may not be touched by other instructions while it runs:
+// the fence keeps the compiler from moving their accesses across the arrive / wait.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void fence_operands(float (&r)[ROWS][COLS]) {
+  for (int i = 0; i < ROWS; ++i)
+    for (int e = 0; e < COLS; ++e) cute::warpgroup_fence_operand(r[i][e]);
+}
+
+static_assert(kWgmmaStageBytes >= Stage<4>::kBytes && kWgmmaStageBytes % 1024 == 0, "a stage, 1024-byte aligned");
+static_assert(kWgmmaTilesKr + kChunk * kHeadDim * 2 == WorkspaceLayout::inverse_beta_hi, "the tiles fill K1's three");
+
+// CTAS: CTAs an SM (abi.WGMMA_STAGES: the pipeline's stages for that many).
+template <int CTAS>
+__device__ __forceinline__ void recurrence_wgmma(const Params& p) {
+  constexpr int kWgmmaStages = wgmma_stages(CTAS);
+  static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
+                "abi.wgmma_shared_bytes lays out this kernel's shared memory");
+  using WS = WorkspaceLayout;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle is on shared-memory address bits: the atoms need 1024-byte alignment.
+  unsigned char* smem = smem_raw + ((1024 - cute::cast_smem_ptr_to_uint(smem_raw) % 1024) % 1024);
+  const Lane lane;
+  const int warp = threadIdx.x / 32;
+  const ChainSlice<4> cs(p, warp);
+  const int64_t h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
+  const int v_warp = cs.v_warp;
+
+  float St[16][4];
+  const StateOffsets state_offset(p, v_warp, lane);
+  const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
+  if (warp < 4) load_state(St, p, state_offset, lane, state_base);
+
+  __shared__ uint64_t full[kWgmmaStages], empty[kWgmmaStages];
+  Pipeline<4, kWgmmaStages, true, 33, 4> pipe(full, empty);
+  if (warp == 4) {
+    for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
+      if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
+      load_stage<4>(smem + pipe.stage * kWgmmaStageBytes, pipe.full[pipe.stage],
+                    p.workspace + ((cs.c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, cs.rows(i),
+                    h, cs.v0);
+    }
+    cute::cp_async_wait<0>();
+    return;
+  }
+  // Two output tiles a warp: chunk i's is written at its step's end and stored to o during step
+  // i + 1, in the shadow of its wgmmas.
+  __nv_bfloat16* out_tiles =
+      reinterpret_cast<__nv_bfloat16*>(smem + kWgmmaStages * kWgmmaStageBytes + warp * 2 * Stage<4>::kOutBytes);
+  const auto store_output = [&](int64_t c) {  // chunk c's tile to o (the warp's 16 columns)
+    __syncwarp();
+    const int64_t tok = bos + c * kChunk + lane.l / 2;
+    if (tok < eos)
+      *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
+          reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16))[lane.l];
+    __syncwarp();
+  };
+
+  for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
+    pipe.wait_full();
+    const unsigned char* st = smem + pipe.stage * kWgmmaStageBytes;
+    const uint32_t st_address = cute::cast_smem_ptr_to_uint(st);
+    const uint32_t* ib_hi = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_hi);
+    const uint32_t* ib_lo = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_lo);
+    const uint32_t* M = reinterpret_cast<const uint32_t*>(st + WS::M);
+    const float2* gamma = reinterpret_cast<const float2*>(st + WS::gamma);
+
+    // S^T [w; q_decayed]^T: n-tiles 0, 1 the chain's S^T w^T, 2, 3 the output's S^T q_decayed^T.
+    // The steps' descriptors differ in their start address alone (offset / 16 in the low bits):
+    // step kk reads K columns 16 kk .. + 16, in K half kk / 4 (4096 B apart), 32 B a step within it.
+    uint32_t aS[8][4];
+    for (int m = 0; m < 8; ++m) accumulators_to_operand(aS[m], St[2 * m], St[2 * m + 1]);
+    const uint64_t desc_wq = gmma_desc(st_address + kWgmmaTilesWq, 16, 1024);
+    float PO[4][4];
+    fence_operands(PO);
+    cute::warpgroup_arrive();
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_64x32(PO, aS[kk], desc_wq + (((kk / 4) * 4096 + (kk % 4) * 32) >> 4), kk > 0);
+    cute::warpgroup_commit_batch();
+
+    // Off the chain while it runs: V^T inverse_beta^T (mma.sync), S^T Diag(gamma), and the
+    // previous chunk's output to o. (With gamma first, ptxas serialised the chain's wgmmas,
+    // nvcc 13.0, 2026-12-04.)
+    float VB[2][4] = {};
+    uint32_t aV[4];
+    const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
+    token_tile_operand(aV, st + kWorkspaceBytes, Stage<4>::kVRowStride, warp * 16, lane, v_rows);
+    for (int nt = 0; nt < 2; ++nt) {
+      const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+      mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
+      mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
+    }
+    scale_by_gamma(St, gamma, lane);
+    if (i > 0) store_output(i - 1);
+    cute::warpgroup_wait<0>();
+    fence_operands(PO);
+
+    float U[2][4];
+    for (int nt = 0; nt < 2; ++nt)
+      for (int e = 0; e < 4; ++e) U[nt][e] = VB[nt][e] - PO[nt][e];
+    uint32_t aU[4];
+    accumulators_to_operand(aU, U[0], U[1]);
+
+    // O^T = S^T q_decayed^T + U^T M^T, before the update's wgmma reads aU (an HMMA reading
+    // registers that an issued wgmma reads waited for it: 128 cycles a step, run 108).
+    float O[2][4];
+    for (int nt = 0; nt < 2; ++nt) {
+      for (int e = 0; e < 4; ++e) O[nt][e] = PO[2 + nt][e];
+      const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+      mma_bf16(O[nt], aU, M[row], M[row + 4]);
+    }
+
+    // S^T += U^T k_restored: one m64n128k16 (k_restored MN-major: N halves 2048 B apart, token
+    // rows 8 apart by 1024 B).
+    fence_operands(St);
+    cute::warpgroup_arrive();
+    wgmma_64x128(St, aU, gmma_desc(st_address + kWgmmaTilesKr, 2048, 1024));
+    cute::warpgroup_commit_batch();
+    __nv_bfloat16* out_tile = out_tiles + (i & 1) * (kChunk * 16);
+    for (int nt = 0; nt < 2; ++nt)
+      for (int e = 0; e < 4; ++e)
+        out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
+    cute::warpgroup_wait<0>();
+    fence_operands(St);
+    pipe.release(lane);
+  }
+  if (num_chunks > 0) store_output(num_chunks - 1);
+
+  if (p.flags & kStoreHt)
+    for (int j = 0; j < 16; ++j)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t at = state_base + state_offset(lane, j, e);
+        if (p.flags & kHtBfloat16)
+          static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[j][e]);
+        else
+          static_cast<float*>(p.ht)[at] = St[j][e];
+      }
+}
+
 }  // namespace
 
 // One entry point per width, each with one more warp, the producer. Registers are
@@ -923,6 +1114,14 @@ extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { 
 // K split between two warps a V group (few chains: the calls where sub-partitions would idle),
 // five warps a CTA; 128 registers, no spill.
 extern "C" __global__ void __maxnreg__(128) kda_recurrence_w2k2(const Params p) { recurrence<2, 2>(p); }
+// K2 on wgmma (abi.wgmma_kernel_name): one CTA an SM (241 registers, six stages), two (168
+// registers under the bound's 204, four stages); no spills (nvcc 13.0, 2026-12-04).
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wgmma_c1(const Params p) {
+  recurrence_wgmma<1>(p);
+}
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2(const Params p) {
+  recurrence_wgmma<2>(p);
+}
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
 extern "C" __global__ void __maxnreg__(168) kda_state_grad_chain_w1(const Params p) { state_grad_chain<1>(p); }
