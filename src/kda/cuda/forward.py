@@ -45,7 +45,8 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     one) win while the pairs give no SM more than two CTAs: 1x32768 H32 (32 pairs) K2 1.017 ms vs
     1.120, 1x8192 H64 (64 pairs) 0.406 vs 0.426, but 1x8192 H96 (96 pairs) 0.530 vs 0.453
     (2026-12-04, run 79). ``KDA_CUDA_WARPS`` (1, 2, 4, or 2k2) overrides the choice (read at
-    import: ``kda.cuda.read_switches``)."""
+    import: ``kda.cuda.read_switches``); its values ``mma``, ``wgmma1`` and ``wgmma2`` leave the
+    width to this rule (they choose the K2: :func:`recurrence_kind`)."""
     override = switches.WARPS_OVERRIDE
     if override is None or override in NO_WIDTH_OVERRIDES:
         if 2 * pairs <= sms:
@@ -435,7 +436,9 @@ def run_stages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K1 and K2 into given buffers (tests: poisoned outputs, a workspace read back through
     ``loader.workspace_views``, or filled by hand with ``run_prepare=False`` to test K2
-    alone). Not on the call path: :func:`chunk_forward` allocates its own."""
+    alone; the workspace's tile layout is the one :func:`recurrence_kind` picks for ``p``, so
+    such tests pin it with ``KDA_CUDA_WARPS``). Not on the call path: :func:`chunk_forward`
+    allocates its own."""
     kernels, device_index, stream, capturing = _launch_context(p)
     if p.N * p.H:
         with on_device(device_index):

@@ -1042,9 +1042,12 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
       wgmma_64x32(PO, aS[kk], desc_wq + (((kk / 4) * 4096 + (kk % 4) * 32) >> 4), kk > 0);
     cute::warpgroup_commit_batch();
 
-    // Off the chain while it runs: V^T inverse_beta^T (mma.sync), S^T Diag(gamma), and the
-    // previous chunk's output to o. (With gamma first, ptxas serialised the chain's wgmmas,
-    // nvcc 13.0, 2026-12-04.)
+    // Meant to run while the chain's wgmmas do: V^T inverse_beta^T (mma.sync), S^T Diag(gamma),
+    // the previous chunk's output to o. But ptxas (nvcc 13.0) injects a warpgroup.wait at the
+    // gamma scaling's first multiply of S^T (C7517: S^T's registers were defined by the previous
+    // step's update wgmma), so the scaling and what follows wait for the chain (a review,
+    // 2026-12-04; run 108's phases saw the chain done when waited for). With gamma first, ptxas
+    // serialised the chain's wgmmas.
     float VB[2][4] = {};
     uint32_t aV[4];
     const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
