@@ -123,39 +123,36 @@ SIZED_KERNELS = (
 )  # fmt: skip
 
 
+def xor_pieces(grouped):
+    """``[..., R, P, 8]`` (rows of P 16-byte pieces of bf16): piece p of row r moved to p ^ (r % 8),
+    the XOR swizzle of both stored tile layouts; its own inverse."""
+    import torch
+
+    R, P = grouped.shape[-3:-1]
+    rows = torch.arange(R, device=grouped.device)[:, None]
+    return grouped[..., rows, torch.arange(P, device=grouped.device)[None, :] ^ (rows % 8), :]
+
+
 def swizzle_tiles(tiles):
     """Row-major ``[..., 16, 128]`` tiles <-> the stored layout of kda_cuda.cuh ``tile_offset``
     (16-byte piece c of row r at piece c ^ (r % 8)). The map is its own inverse."""
-    import torch
-
-    rows = torch.arange(16, device=tiles.device)[:, None]
-    pieces = torch.arange(16, device=tiles.device)[None, :] ^ (rows % 8)
-    grouped = tiles.reshape(*tiles.shape[:-1], 16, 8)  # [..., row, piece, 8]
-    return grouped[..., rows, pieces, :].reshape(tiles.shape)
+    return xor_pieces(tiles.reshape(*tiles.shape[:-1], 16, 8)).reshape(tiles.shape)
 
 
 def sw128_tiles(x):
     """Row-major bf16 ``[..., R, 128]`` -> the wgmma K2's stored layout (abi.WGMMA_TILES): two
     64-column halves of ``[R, 128 B]``, 16-byte piece p of row r at p ^ (r % 8); as ``[..., 2 R, 64]``
     (the halves one after the other). :func:`unsw128_tiles` is its inverse."""
-    import torch
-
     R = x.shape[-2]
-    pieces = x.reshape(*x.shape[:-2], R, 2, 8, 8).transpose(-4, -3)  # [..., half, row, piece, 8]
-    rows = torch.arange(R, device=x.device)[:, None]
-    swizzled = pieces[..., rows, torch.arange(8, device=x.device)[None, :] ^ (rows % 8), :]
-    return swizzled.reshape(*x.shape[:-2], 2 * R, 64)
+    halves = x.reshape(*x.shape[:-2], R, 2, 8, 8).transpose(-4, -3)  # [..., half, row, piece, 8]
+    return xor_pieces(halves).reshape(*x.shape[:-2], 2 * R, 64)
 
 
 def unsw128_tiles(stored):
     """:func:`sw128_tiles`' inverse: ``[..., 2 R, 64]`` as stored -> row-major ``[..., R, 128]``."""
-    import torch
-
     R = stored.shape[-2] // 2
-    pieces = stored.reshape(*stored.shape[:-2], 2, R, 8, 8)  # [..., half, row, stored piece, 8]
-    rows = torch.arange(R, device=stored.device)[:, None]
-    unswizzled = pieces[..., rows, torch.arange(8, device=stored.device)[None, :] ^ (rows % 8), :]
-    return unswizzled.transpose(-4, -3).reshape(*stored.shape[:-2], R, 128)
+    halves = xor_pieces(stored.reshape(*stored.shape[:-2], 2, R, 8, 8))  # [..., half, row, piece, 8]
+    return halves.transpose(-4, -3).reshape(*stored.shape[:-2], R, 128)
 
 
 def workspace_views(workspace, num_chunks: int, heads: int, wgmma: bool = False) -> dict:
@@ -169,6 +166,8 @@ def workspace_views(workspace, num_chunks: int, heads: int, wgmma: bool = False)
     for name, (offset, dtype, shape) in WORKSPACE_FIELDS.items():
         dt = getattr(torch, dtype)
         size = dt.itemsize * int(torch.Size(shape).numel())
+        if shape == (16, 128) and wgmma:
+            continue  # read below, in the wgmma layout
         views[name] = blocks[:, :, offset : offset + size].contiguous().view(dt).view(num_chunks, heads, *shape)
         if shape == (16, 128):
             views[name] = swizzle_tiles(views[name])
