@@ -130,6 +130,22 @@ __device__ __forceinline__ void load_state(float (&St)[TILES][4], const Params& 
     }
 }
 
+// The final state from S^T, where the call stores it (load_state's counterpart).
+template <int TILES = 16, class TileOf = SameTile>
+__device__ __forceinline__ void store_state(const float (&St)[TILES][4], const Params& p,
+                                            const StateOffsets& state_offset, const Lane& lane, int64_t state_base,
+                                            TileOf tile_of = TileOf()) {
+  if (!(p.flags & kStoreHt)) return;
+  for (int jl = 0; jl < TILES; ++jl)
+    for (int e = 0; e < 4; ++e) {
+      const int64_t at = state_base + state_offset(lane, tile_of(jl), e);
+      if (p.flags & kHtBfloat16)
+        static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[jl][e]);
+      else
+        static_cast<float*>(p.ht)[at] = St[jl][e];
+    }
+}
+
 // The two warps of a split V group (recurrence<WARPS, 2>) meet at named barrier 1 + group
 // (barrier 0 is __syncthreads').
 // (Immediate ids: with the id in a register ptxas reserves all sixteen of the CTA's barriers,
@@ -420,15 +436,7 @@ __device__ __forceinline__ void recurrence(const Params& p) {
     __syncwarp();
   }
 
-  if (p.flags & kStoreHt)
-    for (int jl = 0; jl < C::kTiles; ++jl)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t at = state_base + state_offset(lane, tile_of(jl), e);
-        if (p.flags & kHtBfloat16)
-          static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[jl][e]);
-        else
-          static_cast<float*>(p.ht)[at] = St[jl][e];
-      }
+  store_state(St, p, state_offset, lane, state_base, tile_of);
 }
 
 // The training backward's reverse chain of the state gradient (kda/triton/state_grad.py's
@@ -1093,15 +1101,7 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   }
   if (num_chunks > 0) store_output(num_chunks - 1);
 
-  if (p.flags & kStoreHt)
-    for (int j = 0; j < 16; ++j)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t at = state_base + state_offset(lane, j, e);
-        if (p.flags & kHtBfloat16)
-          static_cast<__nv_bfloat16*>(p.ht)[at] = __float2bfloat16_rn(St[j][e]);
-        else
-          static_cast<float*>(p.ht)[at] = St[j][e];
-      }
+  store_state(St, p, state_offset, lane, state_base);
 }
 
 }  // namespace
