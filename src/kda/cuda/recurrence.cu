@@ -1042,6 +1042,13 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // step kk reads K columns 16 kk .. + 16, in K half kk / 4 (4096 B apart), 32 B a step within it.
     uint32_t aS[8][4];
     for (int m = 0; m < 8; ++m) accumulators_to_operand(aS[m], St[2 * m], St[2 * m + 1]);
+    // S^T Diag(gamma) before the chain's wgmmas are issued, not beside them: ptxas (nvcc 13.0)
+    // lets no instruction touch registers a wgmma defined (S^T, by the last step's update) while
+    // any wgmma is in flight, and beside the chain it injected a warpgroup.wait there (C7517), so
+    // V^T inverse_beta^T, the scaling and the output store all waited for the chain. Here the
+    // multiplies (64 a thread) come first and the rest overlaps the chain: the same bits, K2 4-8%
+    // faster on the wgmma cases (H200, 2026-12-04, run 123, benchmarks/NOTES.md).
+    scale_by_gamma(St, gamma, lane);
     const uint64_t desc_wq = gmma_desc(st_address + kWgmmaTilesWq, 16, 1024);
     float PO[4][4];
     fence_operands(PO);
@@ -1050,12 +1057,7 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
       wgmma_64x32(PO, aS[kk], desc_wq + (((kk / 4) * 4096 + (kk % 4) * 32) >> 4), kk > 0);
     cute::warpgroup_commit_batch();
 
-    // Meant to run while the chain's wgmmas do: V^T inverse_beta^T (mma.sync), S^T Diag(gamma),
-    // the previous chunk's output to o. But ptxas (nvcc 13.0) injects a warpgroup.wait at the
-    // gamma scaling's first multiply of S^T (C7517: S^T's registers were defined by the previous
-    // step's update wgmma), so the scaling and what follows wait for the chain (a review,
-    // 2026-12-04; run 108's phases saw the chain done when waited for). With gamma first, ptxas
-    // serialised the chain's wgmmas.
+    // While the chain's wgmmas run: V^T inverse_beta^T (mma.sync), the previous chunk's output to o.
     float VB[2][4] = {};
     uint32_t aV[4];
     const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
@@ -1065,7 +1067,6 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
       mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
       mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
     }
-    scale_by_gamma(St, gamma, lane);
     if (i > 0) store_output(i - 1);
     cute::warpgroup_wait<0>();
     fence_operands(PO);
