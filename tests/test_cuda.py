@@ -691,37 +691,45 @@ def one_sequence_case(T, H, layout, with_state, state_dtype, seed, varlen=False)
 @pytest.mark.gpu
 @cuda_ready
 @pytest.mark.parametrize(
-    "T,H,blocks,layout,state_dtype,with_state,varlen,final",
-    [(100, 2, 3, False, torch.float32, True, False, True), (1000, 4, 4, True, torch.bfloat16, True, True, True),
-     (4096, 1, 8, True, torch.float32, False, False, True), (777, 3, 100, False, torch.bfloat16, True, True, True),
-     (1000, 2, 5, True, torch.float32, False, False, False)],
+    "T,H,blocks,layout,state_dtype,with_state,varlen,final,warps",
+    [(100, 2, 3, False, torch.float32, True, False, True, None),
+     (1000, 4, 4, True, torch.bfloat16, True, True, True, None),
+     (4096, 1, 8, True, torch.float32, False, False, True, None),
+     (777, 3, 100, False, torch.bfloat16, True, True, True, "mma"),
+     (1000, 2, 5, True, torch.float32, False, False, False, None),
+     (1000, 2, 5, True, torch.float32, True, False, True, "mma")],
 )  # fmt: skip
 def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
-    cuda_on, switches, T, H, blocks, layout, state_dtype, with_state, varlen, final
+    cuda_on, switches, T, H, blocks, layout, state_dtype, with_state, varlen, final, warps
 ):
     """K1 beside K2 in time blocks (KDA_CUDA_BLOCKS), batched and as one varlen sequence: the
     blocks' chunks are the uncut call's and
     K2 carries its float32 state across them as within one block, so o and the final state are the
-    uncut call's bit for bit, read on the current stream straight after the call (which must wait
-    for the recurrence stream). Through the test hook into NaN-poisoned outputs inside guard
-    bands: every element written, nothing outside; and within the fp64 bound."""
+    uncut call's on the same K2 bit for bit, read on the current stream straight after the call
+    (which must wait for the recurrence stream). The blocks take the wgmma K2 at one CTA an SM
+    (forward.BLOCKS_WGMMA_CTAS; the uncut call is pinned to it) unless ``warps`` pins the mma.sync
+    one for both. Through the test hook into NaN-poisoned outputs inside guard bands: every
+    element written, nothing outside; and within the fp64 bound."""
     from kda.cuda.forward import block_bounds, run_blocks
 
     case, kw = one_sequence_case(T, H, layout, with_state, state_dtype, seed=40 + T, varlen=varlen)
     kw["output_final_state"] = final
     switches("KDA_CUDA_BLOCKS", "1")
+    switches("KDA_CUDA_WARPS", warps or "wgmma1")
     with kda.record_dispatch() as uncut_events:
         o_uncut, ht_uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
     assert not any(e.startswith("cuda:blocks") for e in uncut_events), uncut_events
     switches("KDA_CUDA_BLOCKS", str(blocks))
+    switches("KDA_CUDA_WARPS", warps)
     count = len(block_bounds(T, blocks))
     with kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
+    k2_events = ["cuda:recurrence"] if warps else ["cuda:recurrence", "cuda:recurrence:wgmma1"]
     assert events == [
         "chunk_kda -> cuda",
         f"cuda:blocks:{count}",
         *["cuda:prepare"] * count,
-        *["cuda:recurrence"] * count,
+        *k2_events * count,
     ]
     assert torch.equal(o, o_uncut)
     assert (ht is None and ht_uncut is None) if not final else torch.equal(ht, ht_uncut)
@@ -750,8 +758,11 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
 @cuda_ready
 def test_gpu_cuda_time_blocks_step_aside_under_graph_capture(cuda_on, switches):
     """A capture takes the uncut launch even where KDA_CUDA_BLOCKS asks for blocks (the second
-    stream's fork is not captured), and its replay equals the eager, blocked call bit for bit."""
+    stream's fork is not captured), and its replay equals the eager, blocked call bit for bit
+    (both on the wgmma K2 the blocks take: the uncut call of two heads would take the mma.sync
+    one by the rule)."""
     switches("KDA_CUDA_BLOCKS", "4")
+    switches("KDA_CUDA_WARPS", "wgmma1")
     case, kw = one_sequence_case(1000, 2, True, True, torch.float32, seed=48, varlen=True)
     with kda.record_dispatch() as eager_events:
         eager, _ = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
@@ -771,19 +782,23 @@ def test_gpu_cuda_time_blocks_step_aside_under_graph_capture(cuda_on, switches):
 @cuda_ready
 def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threads(cuda_on, switches):
     """A sequence of PIPELINE_MIN_TOKENS with two heads takes the blocks by the rule (the dispatch
-    log says how many), equals the uncut call bit for bit, and so do calls from two threads at
-    once, each on its own stream (each stream has its own recurrence stream)."""
+    log says how many) on the wgmma K2, equals the uncut call on that K2 bit for bit, and so do
+    calls from two threads at once, each on its own stream (each stream has its own recurrence
+    stream)."""
     import threading
 
     from kda.cuda.forward import PIPELINE_BLOCKS, PIPELINE_MIN_TOKENS
 
     case, kw = one_sequence_case(PIPELINE_MIN_TOKENS, 2, True, True, torch.float32, seed=47, varlen=True)
     switches("KDA_CUDA_BLOCKS", "1")
+    switches("KDA_CUDA_WARPS", "wgmma1")
     o_uncut, ht_uncut = kda.chunk_kda(*case.tensors(), backend="cuda", **kw)
     switches("KDA_CUDA_BLOCKS", None)
+    switches("KDA_CUDA_WARPS", None)
     with kda.record_dispatch() as events:
         o, ht = kda.chunk_kda(*case.tensors(), **kw)
     assert f"cuda:blocks:{PIPELINE_BLOCKS}" in events, events
+    assert events.count("cuda:recurrence:wgmma1") == PIPELINE_BLOCKS, events
     assert torch.equal(o, o_uncut) and torch.equal(ht, ht_uncut)
     results, errors = {}, []
 

@@ -277,17 +277,28 @@ class FakeStream:
         self.wait_event(other.record_event())
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kernels, monkeypatch, state_dtype):
+@pytest.mark.parametrize(
+    "state_dtype, warps, lower_bound",
+    [(torch.float32, None, -5.0), (torch.bfloat16, None, -5.0), (torch.float32, "mma", -5.0),
+     (torch.float32, None, -8.0)],
+)  # fmt: skip
+def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
+    load_kernels, monkeypatch, state_dtype, warps, lower_bound
+):
     """KDA_CUDA_BLOCKS=3 on 100 tokens: blocks of 48, 48 and 4 tokens. K1 of every block on the
     current stream, an event after each; then for each block the recurrence stream waits for its
     K1's event and runs its K2; the current stream waits for the recurrence stream last. Each
     block's Params hold its slice of every input and of o, its own part of one workspace, the
     state the block before wrote (the caller's for the first) and the next block's state (the
-    caller's final state for the last)."""
+    caller's final state for the last). Every block's K2 is the wgmma one at one CTA an SM
+    (forward.BLOCKS_WGMMA_CTAS) after K1's twin that stores its tiles for it, although two CTAs a
+    pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
+    (lb < -5.025) keep the mma.sync K2."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
+    wgmma = warps is None and lower_bound >= -5.0
     log = []
     streams = lambda index, stream, kernels: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
     monkeypatch.setattr(forward, "stream_pair", streams)
@@ -296,14 +307,26 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(load_kern
     monkeypatch.setattr(forward, "build_tables", lambda part, *args: builds.append(part.T) or build(part, *args))
     case = make_case(B=1, T=100, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=41)
     case.initial_state = case.initial_state.to(state_dtype)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(final_state_dtype=state_dtype))
+    kw = case.kwargs(final_state_dtype=state_dtype, lower_bound=lower_bound, safe_gate=lower_bound >= -5.0)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     with kda.record_dispatch() as events:
         o, ht = forward.chunk_forward(p)
     assert builds == [48, 4], "one table build a block length"
-    assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *["cuda:recurrence"] * 3], events
+    k2_events = ["cuda:recurrence", "cuda:recurrence:wgmma1"] if wgmma else ["cuda:recurrence"]
+    assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *k2_events * 3], events
     assert log == [("wait", 0x6000, 0x5000, 1, 3), ("wait", 0x6000, 0x5000, 2, 4), ("wait", 0x6000, 0x5000, 3, 5),
                    ("wait", 0x5000, 0x6000, 6, 6)]  # fmt: skip
-    prepare = int(kernels.kernels[abi.PREPARE_KERNEL])
+    k1_name = (
+        abi.PREPARE_WGMMA_KERNEL if wgmma else abi.PREPARE_KERNEL if lower_bound >= -5.0 else abi.PREPARE_FAR_KERNEL
+    )
+    prepare = int(kernels.kernels[k1_name])
+    names = {int(handle): name for name, handle in kernels.kernels.items()}
+    for k2_args, _ in libcuda.calls[3:]:
+        if wgmma:
+            assert names[k2_args[0]] == abi.wgmma_kernel_name(1)
+            assert k2_args[1:8] == (2 * 2, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(1))
+        else:
+            assert names[k2_args[0]].startswith("kda_recurrence_w") and "wgmma" not in names[k2_args[0]]
     flags = loader.FLAGS
     state_bits = flags["h0_bfloat16"] if state_dtype == torch.bfloat16 else 0
     blocks = [(0, 3), (48, 3), (96, 1)]  # (first token, chunks)

@@ -31,6 +31,13 @@ NO_WIDTH_OVERRIDES = ("mma", *WGMMA_OVERRIDES)  # values that leave the mma.sync
 # against 2.561, 16x2048 H16 0.607 against 0.659. Where the grid leaves SMs idle it loses: 1x32768
 # H32 (64 CTAs) 1.79 against 1.61 ms (run 120).
 WGMMA_MIN_FILL = 0.9
+# In time blocks (pipeline_blocks: one long sequence of few heads, K1 of block i + 1 beside K2 of
+# block i) the wgmma K2 at one CTA an SM, whatever its grid: it covers 64 V rows a CTA, so it
+# leaves half the SMs the mma.sync K2 of the same heads takes to K1, and draws less power. On the
+# H200 (2026-12-04, run 123, benchmarks/k2_exclusive_ab.py, one process, two passes): 1x32768 H32
+# in eight blocks 1.431 ms against 1.537 on the mma.sync K2 (uncut: 1.795 against 1.629), 1x131072
+# H32 5.341 against 6.138; fla 3.800 and 15.039.
+BLOCKS_WGMMA_CTAS = 1
 
 
 def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
@@ -60,19 +67,21 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     return RECURRENCE_OVERRIDES[override]
 
 
-def recurrence_kind(p: Problem, sms: int, checkpoints: bool) -> int:
+def recurrence_kind(p: Problem, sms: int, checkpoints: bool, time_block: bool = False) -> int:
     """CTAs an SM of the wgmma K2 for ``p`` (1 or 2), or 0 for the mma.sync K2
     (:func:`recurrence_width`). The wgmma K2 writes no training checkpoints and reads K1's tiles
     as kda_prepare_wgmma stores them, the twin of the gate kda_prepare serves (no row past the
-    exponent limit), so only such calls take it: by ``KDA_CUDA_WARPS`` (``wgmma1``, ``wgmma2``) or
-    where its grid of two CTAs a (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of the SMs,
-    one CTA an SM up to one wave and two beyond (an explicit mma.sync width, or ``mma``, keeps
-    the mma.sync K2)."""
+    exponent limit), so only such calls take it: by ``KDA_CUDA_WARPS`` (``wgmma1``, ``wgmma2``),
+    in a time block (``time_block``: :data:`BLOCKS_WGMMA_CTAS`), or where its grid of two CTAs a
+    (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of the SMs, one CTA an SM up to one wave
+    and two beyond (an explicit mma.sync width, or ``mma``, keeps the mma.sync K2)."""
     if checkpoints or prepare_kernel(p) != abi.PREPARE_KERNEL:
         return 0
     override = switches.WARPS_OVERRIDE
     if override is not None:
         return WGMMA_OVERRIDES.get(override, 0)
+    if time_block:
+        return BLOCKS_WGMMA_CTAS
     ctas = chain_grid(4, p.N * p.H)
     if ctas < WGMMA_MIN_FILL * sms:
         return 0
@@ -333,11 +342,13 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
         # two launches and wait take about as long on the host as its K1 on the GPU).
         ready = []
         for part, o_i, ht_i, block, t in launches:
-            _launch(part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False)
+            _launch(
+                part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False, time_block=True
+            )
             ready.append(current.record_event())  # this K1, and before it the inputs, initial state and tables
         for (part, o_i, ht_i, block, t), event in zip(launches, ready):
             side.wait_event(event)
-            _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False)
+            _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False, time_block=True)
     finally:  # also when a launch fails: nothing later on the current stream may overtake what is queued
         current.wait_stream(side)
     return o, ht
@@ -521,18 +532,19 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
 
 def _launch(
     p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0,
-    run_recurrence=True,
+    run_recurrence=True, time_block=False,
 ) -> None:  # fmt: skip
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (unless
     ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
-    flags, such as v_zero)."""
+    flags, such as v_zero; ``time_block``: a block of :func:`_run_blocks`, whose K1 and K2
+    launches both say so, as K1 stores its tiles for the K2 :func:`recurrence_kind` picks)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
     sms = sm_count(device_index)
-    wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
+    wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None, time_block)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
         prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
         grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS
