@@ -828,8 +828,13 @@ def test_gpu_cuda_long_sequence_takes_time_blocks_by_the_rule_from_several_threa
 @cuda_ready
 @pytest.mark.parametrize("width", [None, "wgmma2"])
 def test_gpu_cuda_graph_capture_replays_the_eager_result(cuda_on, monkeypatch, width):
+    """Both K2 kinds: the rule's (four heads: the mma.sync K2) and the wgmma one forced, and the
+    dispatch log shows which ran."""
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", width)
-    assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
+    with kda.record_dispatch() as events:
+        assert_graph_replays_eager(cuda_case([1000], 4, False, "lower_bound", False, True, seed=9), "cuda")
+    assert ("cuda:recurrence:wgmma2" in events) == (width == "wgmma2"), events
+    assert "cuda:recurrence" in events, events
 
 
 @pytest.mark.gpu

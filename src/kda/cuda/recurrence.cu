@@ -935,7 +935,7 @@ __device__ __forceinline__ void state_products(const Params& p) {
 // producer as in recurrence<4>), its stages 1024-byte aligned for the swizzle atoms.
 //
 // Why (H200, benchmarks/NOTES.md, runs 111-120): per SM a wgmma step takes about as long as an
-// mma.sync step (about 1150 cycles, the fixed scalar costs of one warpgroup: conversions, the
+// mma.sync step (about 1150 cycles in run 108, the fixed scalar costs of one warpgroup: conversions, the
 // gamma scaling, arrivals) but covers 64 V rows instead of 32, and it draws less power (1x32768
 // H32: 434 W against 662 W). It wins where its grid (two CTAs a pair) fills the GPU: 1x8192 H64
 // (128 CTAs, one an SM) K2 0.307 against 0.406 ms; two CTAs an SM (kda_recurrence_wgmma_c2) on
