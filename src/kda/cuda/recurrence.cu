@@ -1042,12 +1042,12 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // step kk reads K columns 16 kk .. + 16, in K half kk / 4 (4096 B apart), 32 B a step within it.
     uint32_t aS[8][4];
     for (int m = 0; m < 8; ++m) accumulators_to_operand(aS[m], St[2 * m], St[2 * m + 1]);
-    // S^T Diag(gamma) before the chain's wgmmas are issued, not beside them: ptxas (nvcc 13.0)
-    // lets no instruction touch registers a wgmma defined (S^T, by the last step's update) while
-    // any wgmma is in flight, and beside the chain it injected a warpgroup.wait there (C7517), so
-    // V^T inverse_beta^T, the scaling and the output store all waited for the chain. Here the
-    // multiplies (64 a thread) come first and the rest overlaps the chain: the same bits, K2 4-8%
-    // faster on the wgmma cases (H200, 2026-12-04, run 123, benchmarks/NOTES.md).
+    // S^T Diag(gamma) written before the chain's warpgroup.arrive, not after its wgmmas: there,
+    // multiplying S^T (registers the last step's update wgmma defined) made ptxas (nvcc 13.0)
+    // inject a warpgroup.wait (C7517), so V^T inverse_beta^T, the scaling and the output store
+    // all waited for the chain. Written here, ptxas raises no note and itself schedules most of
+    // the 64 multiplies beside the chain's HGMMAs (cuobjdump): the same bits, K2 4-8% faster on
+    // the wgmma cases (H200, 2026-12-04, run 123, benchmarks/NOTES.md).
     scale_by_gamma(St, gamma, lane);
     const uint64_t desc_wq = gmma_desc(st_address + kWgmmaTilesWq, 16, 1024);
     float PO[4][4];
