@@ -291,8 +291,8 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     block's Params hold its slice of every input and of o, its own part of one workspace, the
     state the block before wrote (the caller's for the first) and the next block's state (the
     caller's final state for the last). Every block's K2 is the wgmma one at one CTA an SM
-    (forward.BLOCKS_WGMMA_CTAS) after K1's twin that stores its tiles for it, although two CTAs a
-    pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
+    (forward.recurrence_kind's ``blocked``) after K1's twin that stores its tiles for it, although
+    two CTAs a pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
     (lb < -5.025) keep the mma.sync K2."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
@@ -316,15 +316,14 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *k2_events * 3], events
     assert log == [("wait", 0x6000, 0x5000, 1, 3), ("wait", 0x6000, 0x5000, 2, 4), ("wait", 0x6000, 0x5000, 3, 5),
                    ("wait", 0x5000, 0x6000, 6, 6)]  # fmt: skip
-    k1_name = (
-        abi.PREPARE_WGMMA_KERNEL if wgmma else abi.PREPARE_KERNEL if lower_bound >= -5.0 else abi.PREPARE_FAR_KERNEL
-    )
+    k1_name = abi.PREPARE_WGMMA_KERNEL if wgmma else forward.prepare_kernel(p)
     prepare = int(kernels.kernels[k1_name])
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     for k2_args, _ in libcuda.calls[3:]:
         if wgmma:
             assert names[k2_args[0]] == abi.wgmma_kernel_name(1)
-            assert k2_args[1:8] == (2 * 2, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(1))
+            want = (forward.chain_grid(4, p.H), 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(1))
+            assert k2_args[1:8] == want
         else:
             assert names[k2_args[0]].startswith("kda_recurrence_w") and "wgmma" not in names[k2_args[0]]
     flags = loader.FLAGS
@@ -354,6 +353,33 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     assert len(libcuda.calls) == 6
     forward.chunk_forward(p)
     assert builds == [48, 4], "the tables are kept for the next call on the stream"
+
+
+@pytest.mark.parametrize("H, ctas", [(33, 1), (66, 1), (67, 2), (96, 2)])
+def test_time_blocks_of_many_heads_take_the_wgmma_k2_at_the_fill_rules_width(load_kernels, monkeypatch, H, ctas):
+    """KDA_CUDA_BLOCKS forced on a sequence of many heads: the blocks' wgmma K2 runs at one CTA an
+    SM while its grid (two CTAs a head) is one wave at most (132 SMs: up to 66 heads), at two past
+    it, as forward.recurrence_kind's fill rule would, not in two waves of one."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "2")
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", None)
+    streams = lambda index, stream, kernels: (FakeStream(stream, [], libcuda), FakeStream(0x6000, [], libcuda))  # noqa: E731
+    monkeypatch.setattr(forward, "stream_pair", streams)
+    case = make_case(B=1, T=40, H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=45)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    with kda.record_dispatch() as events:
+        forward.chunk_forward(p)
+    assert events == [
+        "cuda:blocks:2",
+        "cuda:prepare",
+        "cuda:prepare",
+        *["cuda:recurrence", f"cuda:recurrence:wgmma{ctas}"] * 2,
+    ]
+    names = {int(handle): name for name, handle in kernels.kernels.items()}
+    launched = [(names[args[0]], args[1], args[7]) for args, _ in libcuda.calls]
+    k2 = (abi.wgmma_kernel_name(ctas), 2 * H, abi.wgmma_shared_bytes(ctas))
+    assert [name for name, *_ in launched[:2]] == [abi.PREPARE_WGMMA_KERNEL] * 2 and launched[2:] == [k2, k2], launched
 
 
 def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypatch):
@@ -399,7 +425,8 @@ def test_time_blocks_without_a_final_state_store_only_the_carries(load_kernels, 
 def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(load_kernels, monkeypatch):
     """forward.stream_pair makes a stream through the driver (non-blocking, the context's greatest
     priority) for each (device, stream) the first time, keeps it, and past RECURRENCE_STREAMS
-    answers None, where chunk_forward runs the call uncut."""
+    answers None, where chunk_forward runs the call uncut, on the K2 its blocks would have taken
+    (the wgmma one: the same bits as in blocks) after K1's twin that stores its tiles for it."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(forward, "_recurrence_streams", {})
@@ -426,7 +453,9 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     with kda.record_dispatch() as events:
         forward.chunk_forward(p)
-    assert events == ["cuda:prepare", "cuda:recurrence"], events
+    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence:wgmma1"], events
+    names = {int(handle): name for name, handle in kernels.kernels.items()}
+    assert [names[args[0]] for args, _ in libcuda.calls] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(1)]
 
 
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):

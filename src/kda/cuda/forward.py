@@ -31,13 +31,14 @@ NO_WIDTH_OVERRIDES = ("mma", *WGMMA_OVERRIDES)  # values that leave the mma.sync
 # against 2.561, 16x2048 H16 0.607 against 0.659. Where the grid leaves SMs idle it loses: 1x32768
 # H32 (64 CTAs) 1.79 against 1.61 ms (run 120).
 WGMMA_MIN_FILL = 0.9
-# In time blocks (pipeline_blocks: one long sequence of few heads, K1 of block i + 1 beside K2 of
-# block i) the wgmma K2 at one CTA an SM, whatever its grid: it covers 64 V rows a CTA, so it
+# A call that time blocks take (blocks_wanted: one long sequence of few heads, K1 of block i + 1
+# beside K2 of block i) runs the wgmma K2 whatever its grid fills: it covers 64 V rows a CTA, so it
 # leaves half the SMs the mma.sync K2 of the same heads takes to K1, and draws less power. On the
 # H200 (2026-12-04, run 123, benchmarks/k2_exclusive_ab.py, one process, two passes): 1x32768 H32
 # in eight blocks 1.431 ms against 1.537 on the mma.sync K2 (uncut: 1.795 against 1.629), 1x131072
-# H32 5.341 against 6.138; fla 3.800 and 15.039.
-BLOCKS_WGMMA_CTAS = 1
+# H32 5.341 against 6.138; fla 3.800 and 15.039; run 124: 1x32768 H24 1.322 against 1.364, 1x65536
+# H20 2.487 against 2.521. Such a call run uncut (under graph capture, or with no recurrence stream
+# left) takes the same K2, so that its bits do not depend on whether it ran in blocks.
 
 
 def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
@@ -67,23 +68,23 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     return RECURRENCE_OVERRIDES[override]
 
 
-def recurrence_kind(p: Problem, sms: int, checkpoints: bool, time_block: bool = False) -> int:
+def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = False) -> int:
     """CTAs an SM of the wgmma K2 for ``p`` (1 or 2), or 0 for the mma.sync K2
     (:func:`recurrence_width`). The wgmma K2 writes no training checkpoints and reads K1's tiles
     as kda_prepare_wgmma stores them, the twin of the gate kda_prepare serves (no row past the
     exponent limit), so only such calls take it: by ``KDA_CUDA_WARPS`` (``wgmma1``, ``wgmma2``),
-    in a time block (``time_block``: :data:`BLOCKS_WGMMA_CTAS`), or where its grid of two CTAs a
-    (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of the SMs, one CTA an SM up to one wave
-    and two beyond (an explicit mma.sync width, or ``mma``, keeps the mma.sync K2)."""
+    for a call that time blocks take (``blocked``: :func:`blocks_wanted` > 1, run in blocks or
+    not), or where its grid of two CTAs a (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of
+    the SMs; one CTA an SM up to one wave and two beyond (an explicit mma.sync width, or ``mma``,
+    keeps the mma.sync K2). ``p`` is the whole call's problem or a time block of it: the same
+    answer for both (a block differs in its length only)."""
     if checkpoints or prepare_kernel(p) != abi.PREPARE_KERNEL:
         return 0
     override = switches.WARPS_OVERRIDE
     if override is not None:
         return WGMMA_OVERRIDES.get(override, 0)
-    if time_block:
-        return BLOCKS_WGMMA_CTAS
     ctas = chain_grid(4, p.N * p.H)
-    if ctas < WGMMA_MIN_FILL * sms:
+    if not blocked and ctas < WGMMA_MIN_FILL * sms:
         return 0
     return 1 if ctas <= sms else 2
 
@@ -100,7 +101,10 @@ def recurrence_kind(p: Problem, sms: int, checkpoints: bool, time_block: bool = 
 # each round, 1x131072 H32 from 0.5% slower to 5.4% faster. K2's chains run at about half speed
 # while K1 runs beside them (run 90, benchmarks/blocks_trace.py), which is why the gain is a few
 # percent and not K1's whole time. Not measured below 32768 tokens, nor with more than one CTA an
-# SM of K2 beyond 1x8192 H64 and H96 (where blocks only lost), so not taken there.
+# SM of K2 beyond 1x8192 H64 and H96 (where blocks only lost), so not taken there. That was the
+# mma.sync K2; since run 123 the blocks take the wgmma K2 (recurrence_kind's ``blocked``), which
+# leaves half the SMs to K1, and the blocked call is 12% faster than the uncut mma.sync one
+# (1x32768 H32 1.431 against 1.629 ms) and 17% on 1x131072 H32 (5.341 against 6.446).
 PIPELINE_BLOCKS = 8  # time blocks under the rule
 PIPELINE_MIN_TOKENS = 32768  # no blocks below this length
 
@@ -112,9 +116,15 @@ def one_sequence(p: Problem) -> bool:
 
 
 def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) -> int:
-    """Time blocks for ``p``'s K1 to run beside its K2 (1: K1 over the whole call, then K2).
-    Only for one sequence (:func:`one_sequence`), outside CUDA graph capture (the fork onto a
-    second stream is neither needed there nor tested) and without training checkpoints. The rule:
+    """Time blocks for ``p``'s K1 to run beside its K2 (1: K1 over the whole call, then K2):
+    :func:`blocks_wanted`, outside CUDA graph capture (the fork onto a second stream is neither
+    needed there nor tested)."""
+    return 1 if capturing else blocks_wanted(p, sms, checkpoints)
+
+
+def blocks_wanted(p: Problem, sms: int, checkpoints: bool) -> int:
+    """The time blocks ``p`` takes where it can (:func:`pipeline_blocks`; 1: none). Only for one
+    sequence (:func:`one_sequence`) and without training checkpoints. The rule:
     sequences of at least :data:`PIPELINE_MIN_TOKENS` whose recurrence grid has at most one CTA
     an SM (:func:`recurrence_ctas`; at the default widths up to 33 heads on 132 SMs), in
     :data:`PIPELINE_BLOCKS` blocks. ``KDA_CUDA_BLOCKS`` (a count >= 1; 1 turns it off) replaces
@@ -129,7 +139,7 @@ def pipeline_blocks(p: Problem, sms: int, capturing: bool, checkpoints: bool) ->
         wanted = PIPELINE_BLOCKS
     else:
         wanted = 1
-    if wanted <= 1 or capturing or checkpoints or not one_sequence(p):
+    if wanted <= 1 or checkpoints or not one_sequence(p):
         return 1
     return max(1, min(wanted, -(-p.T // abi.CHUNK)))
 
@@ -278,15 +288,17 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     kernels, device_index, stream, capturing = _launch_context(p)
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return _outputs(p)
-    blocks = pipeline_blocks(p, sm_count(device_index), capturing, checkpoints is not None)
-    if blocks > 1:
+    sms = sm_count(device_index)
+    wanted = blocks_wanted(p, sms, checkpoints is not None)
+    if wanted > 1 and not capturing:
         streams = stream_pair(device_index, stream, kernels)
         if streams is not None:
-            return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream, streams)
+            return _run_blocks(p, *_outputs(p), wanted, kernels, device_index, stream, streams)
         log_once(f"chunk_kda: no time blocks on this stream ({RECURRENCE_STREAMS} recurrence streams kept already)")
     o, ht = _outputs(p)
     tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
-    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints)
+    kind = recurrence_kind(p, sms, checkpoints is not None, blocked=wanted > 1)
+    _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints, wgmma_ctas=kind)
     return o, ht
 
 
@@ -309,7 +321,9 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
     K1 of every block on the current stream, K2 of each on the recurrence stream once its K1 is
     done, reading the state the previous block's K2 wrote. The blocks' chunks are the uncut
     call's and K2 carries the state in float32 from one block to the next as within one, so the
-    result is the uncut call's bit for bit (tests/test_cuda.py). Every buffer is allocated on the
+    result is the uncut call's on the same K2 bit for bit (tests/test_cuda.py; every block's K2
+    is the one :func:`recurrence_kind` picks for a blocked call, which :func:`chunk_forward` also
+    gives such a call run uncut). Every buffer is allocated on the
     current stream, which waits for the recurrence stream before it returns: later work there
     (and the allocator's reuse of these buffers) comes after the last K2."""
     bounds = block_bounds(p.T, blocks)
@@ -334,6 +348,7 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
             for part, o_i, ht_i, a, b in parts
         ]
     current, side = streams
+    kind = recurrence_kind(p, sm_count(device_index), False, blocked=True)  # one K2 kind for every block
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
     try:
@@ -343,12 +358,12 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
         ready = []
         for part, o_i, ht_i, block, t in launches:
             _launch(
-                part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False, time_block=True
+                part, o_i, ht_i, block, t, kernels, device_index, stream, True, run_recurrence=False, wgmma_ctas=kind
             )
             ready.append(current.record_event())  # this K1, and before it the inputs, initial state and tables
         for (part, o_i, ht_i, block, t), event in zip(launches, ready):
             side.wait_event(event)
-            _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False, time_block=True)
+            _launch(part, o_i, ht_i, block, t, kernels, device_index, side.cuda_stream, False, wgmma_ctas=kind)
     finally:  # also when a launch fails: nothing later on the current stream may overtake what is queued
         current.wait_stream(side)
     return o, ht
@@ -532,19 +547,20 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
 
 def _launch(
     p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0,
-    run_recurrence=True, time_block=False,
+    run_recurrence=True, wgmma_ctas=None,
 ) -> None:  # fmt: skip
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (unless
     ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
-    flags, such as v_zero; ``time_block``: a block of :func:`_run_blocks`, whose K1 and K2
-    launches both say so, as K1 stores its tiles for the K2 :func:`recurrence_kind` picks)."""
+    flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
+    K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
     if checkpoints is not None:
         bits |= FLAG_STORE_CHECKPOINTS
     sms = sm_count(device_index)
-    wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None, time_block)
+    if wgmma_ctas is None:
+        wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
         prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
         grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS

@@ -954,10 +954,12 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t smem_address, int lbo, in
   return desc.desc_;
 }
 
-// ``desc`` with its start address moved by ``byte_offset``: a 32-bit add to the low word, where the
-// start address field (address / 16, 14 bits) sits and cannot carry out of (shared memory is
-// under 256 KB). As a 64-bit add, ptxas spent a carry chain and moves on each of the chain's
-// eight descriptors a step; this took K2 1-3% faster (H200, 2026-12-04, run 129, same bits).
+// ``desc`` with its start address moved by ``byte_offset``: a 32-bit add to the low word, which
+// gives the 64-bit add's bits, as nothing carries past bit 31 (the low word holds the start
+// address field, address / 16 in bits 0-13, then the leading byte offset; the moved address must
+// stay inside the field either way, which recurrence_wgmma's static_assert checks). As a 64-bit
+// add, ptxas spent a carry chain and moves on each of the chain's eight descriptors a step; this
+// took K2 1-3% faster (H200, 2026-12-04, run 129, same bits).
 __device__ __forceinline__ uint64_t gmma_desc_moved(uint64_t desc, int byte_offset) {
   uint64_t moved;
   asm("mov.b64 %0, {%1, %2};"
@@ -1000,6 +1002,9 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   constexpr int kWgmmaStages = wgmma_stages(CTAS);
   static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
                 "abi.wgmma_shared_bytes lays out this kernel's shared memory");
+  static_assert(wgmma_shared_bytes(CTAS) + 2048 <= (1 << 18),
+                "every stage's tiles (after the static 1 KB and the alignment) within a descriptor's 14-bit "
+                "start address field (address / 16)");
   using WS = WorkspaceLayout;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle is on shared-memory address bits: the atoms need 1024-byte alignment.
