@@ -289,15 +289,17 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return _outputs(p)
     sms = sm_count(device_index)
-    wanted = blocks_wanted(p, sms, checkpoints is not None)
-    if wanted > 1 and not capturing:
+    blocks = pipeline_blocks(p, sms, capturing, checkpoints is not None)
+    if blocks > 1:
         streams = stream_pair(device_index, stream, kernels)
         if streams is not None:
-            return _run_blocks(p, *_outputs(p), wanted, kernels, device_index, stream, streams)
+            return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream, streams)
         log_once(f"chunk_kda: no time blocks on this stream ({RECURRENCE_STREAMS} recurrence streams kept already)")
     o, ht = _outputs(p)
     tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
-    kind = recurrence_kind(p, sms, checkpoints is not None, blocked=wanted > 1)
+    # uncut: the K2 blocks would have taken where they were wanted (no stream left, or a capture)
+    blocked = blocks > 1 or (capturing and blocks_wanted(p, sms, checkpoints is not None) > 1)
+    kind = recurrence_kind(p, sms, checkpoints is not None, blocked=blocked)
     _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints, wgmma_ctas=kind)
     return o, ht
 
