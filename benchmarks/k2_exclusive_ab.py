@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import statistics
-import time
 
 import torch
 import triton.testing
@@ -65,12 +64,9 @@ def main() -> None:
     pad = props.shared_memory_per_block_optin - 1024
     loader.SIZED_KERNELS = tuple((n, pad if n == name else s) for n, s in loader.SIZED_KERNELS)
     fla = None if args.no_fla else bench.contenders().get("fla")
-    head = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "versions": bench.versions(),
-            "pad_bytes": pad, "own_bytes": own}  # fmt: skip
-    print(json.dumps(head), flush=True)
     rows = []
     with open(args.out, "w") as out:
-        out.write(json.dumps(head) + "\n")
+        bench.start_jsonl(out, pad_bytes=pad, own_bytes=own)
         for key in args.cases.split(","):
             case = CASES[key]
             tensors, kw = bench.make_inputs(case)

@@ -115,12 +115,9 @@ def main() -> None:
     parser.add_argument("--rest", type=float, default=6.0)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "power-split.jsonl"))
     args = parser.parse_args()
-    head = {"gpu": torch.cuda.get_device_name(), "versions": bench.versions(), "power_limit": power_limit(),
-            "date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "rest": args.rest}  # fmt: skip
-    print(json.dumps(head), flush=True)
     rows = []
     with ClockSampler(torch.cuda.current_device()) as sampler, open(args.out, "w") as f:
-        f.write(json.dumps(head) + "\n")
+        head = bench.start_jsonl(f, power_limit=power_limit(), seconds=args.seconds, rest=args.rest)
         for i in (int(c) for c in args.cases.split(",")):
             case = bench.ANCHOR_CASES[i]
             calls = parts(case)

@@ -35,11 +35,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "recurrence-kind-ab.jsonl"))
     args = parser.parse_args()
     fla = None if args.no_fla else bench.contenders().get("fla")
-    head = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "versions": bench.versions()}
-    print(json.dumps(head), flush=True)
     rows = []
     with ClockSampler(torch.cuda.current_device()) as sampler, open(args.out, "w") as out:
-        out.write(json.dumps(head) + "\n")
+        bench.start_jsonl(out)
         for i in (int(c) for c in args.cases.split(",")):
             case = bench.ANCHOR_CASES[i]
             tensors, kw = bench.make_inputs(case)

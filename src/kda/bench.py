@@ -131,6 +131,15 @@ def contenders() -> dict:
     return out
 
 
+def start_jsonl(out, **extra) -> dict:
+    """The first line of a device experiment's JSON-lines log (the GPU, the date, the versions and
+    ``extra``), printed and written to the open file ``out``; returned."""
+    head = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "versions": versions(), **extra}
+    print(json.dumps(head), flush=True)
+    out.write(json.dumps(head) + "\n")
+    return head
+
+
 def versions() -> dict:
     import triton
 
