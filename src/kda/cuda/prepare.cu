@@ -37,16 +37,25 @@ constexpr int kThreads = kPrepareThreads;  // one per K column (kda_abi.h)
 // pattern of an MMA fragment load, g < 8, t < 4, hits 32 distinct banks.
 constexpr int kPad = kHeadDim + 4;
 constexpr int kRowPad = kChunk + 4;  // 20 floats: A's rows 16-byte aligned for float4 reads
-// Row stride (bf16) of the raw q and k tiles: 272 bytes, 17 pieces of 16 bytes, so the eight
-// rows of an ldmatrix read at one column land in eight different bank groups.
-constexpr int kRawPad = kHeadDim + 8;
+// Element (row, col) of a raw bf16 tile (q, k, a bf16 g: [16, 128], rows of 256 bytes) as
+// stored: its 16-byte piece col / 8 sits at piece (col / 8) ^ (row % 8) ^ 4 (row / 8), so that
+//   - the eight rows of an ldmatrix read at one column land in eight different bank groups,
+//   - the elementwise stage's reads of rows r (lanes 0-15) and r + 8 (lanes 16-31), 64 bytes
+//     each, land in the two different halves of the banks, and
+//   - a row's copies fill whole 128-byte lines.
+// (ncu on the H200, 2026-12-04, run 132: with the rows padded to 272 bytes instead, the q and k
+// copies took 2.6 times the shared-memory wavefronts of whole lines, and those reads and the g
+// reads two.)
+__host__ __device__ constexpr int raw_index(int row, int col) {
+  return row * kHeadDim + ((((col >> 3) ^ (row & 7) ^ ((row & 8) >> 1))) << 3) + (col & 7);
+}
 
 struct __align__(16) PrepareTiles {
-  __nv_bfloat16 q[kChunk][kRawPad];  // raw inputs as loaded
-  __nv_bfloat16 k[kChunk][kRawPad];
+  __nv_bfloat16 q[kChunk * kHeadDim];  // raw inputs as loaded, at raw_index
+  __nv_bfloat16 k[kChunk * kHeadDim];
   union {  // raw g as loaded; once every thread has read g, G (far rows) or ki (see PrepareShared)
     float g32[kChunk][kHeadDim];
-    __nv_bfloat16 g16[kChunk][kHeadDim];
+    __nv_bfloat16 g16[kChunk * kHeadDim];  // at raw_index
     float G[kChunk][kPad];  // cumulative log2-decay (only the pairwise rows read it)
   } g;
   // scale q exp(G): left operand of M. Warp w reads only its columns [32 w, 32 w + 32), and
@@ -60,8 +69,9 @@ struct __align__(16) PrepareTiles {
 };
 
 // ki = k exp(min(-G, limit)), the right operand of A and M. Where no row can be far (the entry
-// point kda_prepare), it takes the raw g tile's place, dead once the gate is in registers: 35.7 KB
-// a CTA in place of 44.0, so that six CTAs fit an SM's 228 KB (with the 1 KB it reserves a CTA)
+// point kda_prepare), it takes the raw g tile's place, dead once the gate is in registers: 35.2 KB
+// a CTA in place of 43.5 (both 0.5 KB less since the raw tiles lost their row padding for
+// raw_index, 2026-12-04), so that six CTAs fit an SM's 228 KB (with the 1 KB it reserves a CTA)
 // instead of five. The pairwise rows of kda_prepare_far read G there, so ki has its own tile.
 template <bool kMayBeFar>
 struct PrepareShared;
@@ -135,6 +145,19 @@ __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const flo
   }
 }
 
+// Where warp w keeps column c < 32 of row i of its partial A (columns 0-15) and M (16-31), from
+// &qd[0][32 w] (its own columns of qd, which only it has read): the row's eight 4-float groups
+// rotated so that both the fragments' 8-byte stores (a half warp: rows g0 .. g0 + 3, two groups
+// each) and the sums' 16-byte loads (a quarter warp: rows i, i + 1, four groups each) touch
+// every bank once. Row i starts i groups into the banks (kPad = 4 mod 32), so the rotation is
+// the spread {0, 4, 2, 6}[i % 4] less i. (ncu, 2026-12-04, run 132: the unrotated rows took
+// twice the wavefronts, 6.3 M of K1's 72.5 M on 1x8192 H96.)
+// Rows i and i + 8 share a rotation, so a thread computes it once.
+__device__ __forceinline__ int partial_rotation(int i) { return (((0x6240 >> (4 * (i & 3))) & 0xf) - i) & 7; }
+__device__ __forceinline__ int partial_offset(int i, int c, int rotation) {
+  return i * kPad + ((((c >> 2) + rotation) & 7) << 2) + (c & 3);
+}
+
 // A B in 3xTF32 with all three products in one accumulator, small ones first (float32-level
 // still; no final sums): for w, which is only rounded to bf16 and has independent tiles to
 // overlap its chains with.
@@ -156,7 +179,14 @@ __device__ __forceinline__ void left_fragment(float (&a)[4], const float (*X)[ST
 // r0 = 8 (lane / 16), so that the two halves of a channel pair are lanes 16 apart.
 struct PairRows {
   int c0, r0;
-  __device__ explicit PairRows(int tid) : c0((tid / 32) * 32 + 2 * (tid % 16)), r0(8 * (tid % 32 / 16)) {}
+  int raw0, raw_piece;  // raw_index(r0 + r8, c0) = raw0 + 128 r8 + (raw_piece ^ 8 r8), as r0 % 8 = 0
+  __device__ explicit PairRows(int tid)
+      : c0((tid / 32) * 32 + 2 * (tid % 16)),
+        r0(8 * (tid % 32 / 16)),
+        raw0(r0 * kHeadDim + c0 % 8),
+        raw_piece(((c0 / 8) ^ (r0 / 2)) * 8) {}
+  // raw_index(r0 + r8, c0 + e), e < 2 (c0 is even, so c0 + 1 is in c0's piece)
+  __device__ int raw(int r8, int e = 0) const { return raw0 + r8 * kHeadDim + (raw_piece ^ (r8 * 8)) + e; }
 };
 
 // Tiles tile0 .. tile0 + kTiles - 1 (channels 8 tile ..) of w = inverse_beta K~, in 3xTF32
@@ -211,8 +241,8 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
   const int piece = pr.c0 / 8;
   for (int r8 = 0; r8 < 8; ++r8) {
     const int r = pr.r0 + r8;
-    const uint32_t q2 = *reinterpret_cast<const uint32_t*>(&s.q[r][pr.c0]);
-    const uint32_t k2 = *reinterpret_cast<const uint32_t*>(&s.k[r][pr.c0]);
+    const uint32_t q2 = *reinterpret_cast<const uint32_t*>(&s.q[pr.raw(r8)]);
+    const uint32_t k2 = *reinterpret_cast<const uint32_t*>(&s.k[pr.raw(r8)]);
     const float qn[2] = {bf16_lo(q2) * rq[r8], bf16_hi(q2) * rq[r8]};
     const float kn[2] = {bf16_lo(k2) * rk[r8], bf16_hi(k2) * rk[r8]};
     float qd[2], kd[2], ki[2], restored[2];
@@ -274,21 +304,22 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
       }
     }
     __syncwarp();  // every lane has read its qd columns
+    const int rotation = partial_rotation(g_row);  // (g_row + 8's too)
     for (int half = 0; half < 2; ++half) {
       const int j = half * 8 + 2 * t_col;
       float* part = &s.qd[0][c0];
-      *reinterpret_cast<float2*>(part + g_row * kPad + j) = make_float2(a_acc[half].sum(0), a_acc[half].sum(1));
-      *reinterpret_cast<float2*>(part + (g_row + 8) * kPad + j) =
-          make_float2(a_acc[half].sum(2), a_acc[half].sum(3));
-      *reinterpret_cast<float2*>(part + g_row * kPad + 16 + j) = make_float2(m_acc[half][0], m_acc[half][1]);
-      *reinterpret_cast<float2*>(part + (g_row + 8) * kPad + 16 + j) = make_float2(m_acc[half][2], m_acc[half][3]);
+      const int a_at = partial_offset(g_row, j, rotation), m_at = partial_offset(g_row, 16 + j, rotation);
+      *reinterpret_cast<float2*>(part + a_at) = make_float2(a_acc[half].sum(0), a_acc[half].sum(1));
+      *reinterpret_cast<float2*>(part + a_at + 8 * kPad) = make_float2(a_acc[half].sum(2), a_acc[half].sum(3));
+      *reinterpret_cast<float2*>(part + m_at) = make_float2(m_acc[half][0], m_acc[half][1]);
+      *reinterpret_cast<float2*>(part + m_at + 8 * kPad) = make_float2(m_acc[half][2], m_acc[half][3]);
     }
   }
   __syncthreads();
   {  // Sum of the four partials: warps 0, 1 reduce M, warps 2, 3 reduce A, four entries a thread.
     const bool is_A = warp >= 2;
     const int e = (tid % 64) * 4, i = e / kChunk, j = e % kChunk;
-    const float* part = &s.qd[i][(is_A ? 0 : 16) + j];
+    const float* part = &s.qd[0][0] + partial_offset(i, (is_A ? 0 : 16) + j, partial_rotation(i));
     float4 sum = *reinterpret_cast<const float4*>(part);
     for (int w = 1; w < 4; ++w) {
       const float4 x = *reinterpret_cast<const float4*>(part + 32 * w);
@@ -311,10 +342,15 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         const int i = e / kChunk, j = e % kChunk;
         if (!((far_rows >> i) & 1) || j > i) continue;
         float a = 0.f, m = 0.f;
-        for (int d = 0; d < kHeadDim; ++d) {
-          const float kj = __bfloat162float(s.k[j][d]) * s.rk[j] * exp2f(fminf(s.g.G[i][d] - s.g.G[j][d], 0.f));
-          a = fmaf(__bfloat162float(s.k[i][d]), kj, a);
-          m = fmaf(__bfloat162float(s.q[i][d]), kj, m);
+        for (int piece = 0; piece < kHeadDim / 8; ++piece) {  // d in order, a piece's 8 at a time
+          const int at_i = raw_index(i, 8 * piece), at_j = raw_index(j, 8 * piece);
+          for (int e8 = 0; e8 < 8; ++e8) {
+            const int d = 8 * piece + e8;
+            const float kj =
+                __bfloat162float(s.k[at_j + e8]) * s.rk[j] * exp2f(fminf(s.g.G[i][d] - s.g.G[j][d], 0.f));
+            a = fmaf(__bfloat162float(s.k[at_i + e8]), kj, a);
+            m = fmaf(__bfloat162float(s.q[at_i + e8]), kj, m);
+          }
         }
         s.A[i][j] = j < i ? a * s.rk[i] * s.beta[i] : 0.f;
         s.M[i][j] = m * s.rq[i];
@@ -378,9 +414,10 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
       const int r = r0 + 8 * i;
       const bool valid = r < rows;
       const int64_t src = valid ? src0 + 8 * i * row_stride : 0;
-      copy_async_16(&s.q[r][piece * 8], p.q + src, valid);
-      copy_async_16(&s.k[r][piece * 8], p.k + src, valid);
-      if (!g_f32) copy_async_16(&s.g.g16[r][piece * 8], static_cast<const __nv_bfloat16*>(p.g) + src, valid);
+      const int at = raw_index(r, piece * 8);
+      copy_async_16(&s.q[at], p.q + src, valid);
+      copy_async_16(&s.k[at], p.k + src, valid);
+      if (!g_f32) copy_async_16(&s.g.g16[at], static_cast<const __nv_bfloat16*>(p.g) + src, valid);
     }
   }
   if (g_f32) {
@@ -420,17 +457,18 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
   // l2norm: the row norms are the diagonals of Q Q^T and K K^T, one bf16 MMA chain over the
   // 128 channels each (warp 2: q, warp 3: k); products of bf16 are exact in float32.
   if ((p.flags & kL2norm) && warp >= 2) {
-    const __nv_bfloat16(*X)[kRawPad] = warp == 2 ? s.q : s.k;
+    const __nv_bfloat16* X = warp == 2 ? s.q : s.k;
     // ldmatrix lane l addresses row l % 8 of 8 x 8 block l / 8: blocks (rows 0-7, 8-15) x
     // (channels k0 + 0-7, + 8-15), in the left operand's order, and again in the order that
     // makes each 8-row block one right operand (two consecutive registers).
-    const __nv_bfloat16* left = &X[(lane / 8 % 2) * 8 + lane % 8][(lane / 16) * 8];
-    const __nv_bfloat16* right = &X[(lane / 16) * 8 + lane % 8][(lane / 8 % 2) * 8];
+    // raw_index(row, col + k0) = raw_index(row, col) ^ k0 for col < 16 and k0 a multiple of 16
+    const int left = raw_index((lane / 8 % 2) * 8 + lane % 8, (lane / 16) * 8);
+    const int right = raw_index((lane / 16) * 8 + lane % 8, (lane / 8 % 2) * 8);
     float d[2][4] = {};  // columns: rows 0-7, rows 8-15
     for (int k0 = 0; k0 < kHeadDim; k0 += 16) {
       uint32_t a[4], b[4];
-      ldmatrix_x4(a, left + k0);
-      ldmatrix_x4(b, right + k0);
+      ldmatrix_x4(a, X + (left ^ k0));
+      ldmatrix_x4(b, X + (right ^ k0));
       mma_bf16(d[0], a, b[0], b[1]);
       mma_bf16(d[1], a, b[2], b[3]);
     }
@@ -449,7 +487,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
   float acc[2] = {0.f, 0.f};
   if (lower_bound && !g_f32) {  // the common case, apart so that the loop carries no selects
     for (int r8 = 0; r8 < 8; ++r8) {
-      const uint32_t gv = *reinterpret_cast<const uint32_t*>(&s.g.g16[pr.r0 + r8][pr.c0]);
+      const uint32_t gv = *reinterpret_cast<const uint32_t*>(&s.g.g16[pr.raw(r8)]);
       const float x[2] = {fmaf(bf16_lo(gv), gate_mul, gate_add[0]), fmaf(bf16_hi(gv), gate_mul, gate_add[1])};
       for (int e = 0; e < 2; ++e) G[e][r8] = acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(x[e])), acc[e]);
     }
@@ -457,7 +495,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
     for (int r8 = 0; r8 < 8; ++r8) {
       for (int e = 0; e < 2; ++e) {
         const int r = pr.r0 + r8, col = pr.c0 + e;
-        const float gv = g_f32 ? s.g.g32[r][col] : __bfloat162float(s.g.g16[r][col]);
+        const float gv = g_f32 ? s.g.g32[r][col] : __bfloat162float(s.g.g16[pr.raw(r8, e)]);
         if (lower_bound)
           acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(fmaf(gv, gate_mul, gate_add[e]))), acc[e]);
         else  // a hard reset (g = -inf, or any g below kHardReset) as the finite kHardReset: the
@@ -509,7 +547,7 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
 
 // The lower-bound gate decays by at most |lb| a token: with lb >= -5.025 no row of 16 tokens
 // gets past the limit, and kda_prepare drops the per-row test (the host's choice:
-// abi.prepare_kernel_name). Six CTAs an SM there (35.7 KB of shared memory, at most 80
+// abi.prepare_kernel_name). Six CTAs an SM there (35.2 KB of shared memory, at most 80
 // registers: 1x8192 H96 K1 0.471 -> 0.446 ms against the same code at five, run 73,
 // benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Params p) { prepare_chunk<false>(p); }
