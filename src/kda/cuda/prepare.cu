@@ -50,6 +50,39 @@ __host__ __device__ constexpr int raw_index(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7) ^ ((row & 8) >> 1))) << 3) + (col & 7);
 }
 
+// The bank of a 4-byte word (32 banks): the checks below model each access as the hardware
+// serves it (4-byte reads a warp at a time, ldmatrix's eight rows of 16 bytes at a time).
+constexpr int bank(int word) { return word % 32; }
+constexpr unsigned kAllBanks = 0xffffffffu;
+
+// raw_index's three properties, checked where the compiler sees it.
+constexpr bool raw_index_conflict_free() {
+  for (int row = 0; row < kChunk; ++row) {  // a row's pieces fill the row's 256 bytes
+    unsigned pieces = 0;
+    for (int p = 0; p < kHeadDim / 8; ++p) {
+      const int at = raw_index(row, 8 * p);
+      if (at / kHeadDim != row || at % 8 != 0) return false;
+      pieces |= 1u << (at % kHeadDim / 8);
+    }
+    if (pieces != 0xffffu) return false;
+  }
+  for (int base = 0; base < kChunk; base += 8)  // ldmatrix: eight rows at one piece
+    for (int p = 0; p < kHeadDim / 8; ++p) {
+      unsigned groups = 0;  // 16-byte bank groups (four banks each)
+      for (int r = base; r < base + 8; ++r) groups |= 1u << (raw_index(r, 8 * p) / 8 % 8);
+      if (groups != 0xffu) return false;
+    }
+  for (int warp = 0; warp < 4; ++warp)  // the elementwise stage (PairRows): rows r8 and r8 + 8, a word a lane
+    for (int r8 = 0; r8 < 8; ++r8) {
+      unsigned banks = 0;
+      for (int lane = 0; lane < 32; ++lane)
+        banks |= 1u << bank(raw_index(r8 + 8 * (lane / 16), 32 * warp + 2 * (lane % 16)) / 2);
+      if (banks != kAllBanks) return false;
+    }
+  return true;
+}
+static_assert(raw_index_conflict_free(), "raw_index: every row whole, each access of the raw tiles on every bank once");
+
 struct __align__(16) PrepareTiles {
   __nv_bfloat16 q[kChunk * kHeadDim];  // raw inputs as loaded, at raw_index
   __nv_bfloat16 k[kChunk * kHeadDim];
@@ -153,10 +186,42 @@ __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const flo
 // the spread {0, 4, 2, 6}[i % 4] less i. (ncu, 2026-12-04, run 132: the unrotated rows took
 // twice the wavefronts, 6.3 M of K1's 72.5 M on 1x8192 H96.)
 // Rows i and i + 8 share a rotation, so a thread computes it once.
-__device__ __forceinline__ int partial_rotation(int i) { return (((0x6240 >> (4 * (i & 3))) & 0xf) - i) & 7; }
-__device__ __forceinline__ int partial_offset(int i, int c, int rotation) {
+__host__ __device__ constexpr int partial_rotation(int i) { return (((0x6240 >> (4 * (i & 3))) & 0xf) - i) & 7; }
+__host__ __device__ constexpr int partial_offset(int i, int c, int rotation) {
   return i * kPad + ((((c >> 2) + rotation) & 7) << 2) + (c & 3);
 }
+
+// partial_offset's properties, as prepare_body uses it (warp w's block starts at word 32 w).
+constexpr bool partial_offset_conflict_free() {
+  static_assert(kPad % 32 == 4, "the rotation assumes rows 4 banks apart");
+  for (int i = 0; i < kChunk; ++i) {  // rows i and i + 8 share a rotation; a row stays in its 32 columns
+    if (partial_rotation(i) != partial_rotation(i % 8)) return false;
+    unsigned columns = 0;
+    for (int c = 0; c < 32; ++c) columns |= 1u << (partial_offset(i, c, partial_rotation(i)) - i * kPad);
+    if (columns != kAllBanks) return false;
+  }
+  for (int w = 0; w < 4; ++w)
+    for (int m = 0; m < 32; m += 16) {  // A's columns, then M's
+      for (int g0 = 0; g0 < kChunk; g0 += 4)  // the fragments' stores: a half warp, rows g0 .. g0 + 3, 8 bytes a lane
+        for (int half = 0; half < 2; ++half) {
+          unsigned banks = 0;
+          for (int g = g0; g < g0 + 4; ++g)
+            for (int t = 0; t < 4; ++t)
+              for (int e = 0; e < 2; ++e)
+                banks |= 1u << bank(32 * w + partial_offset(g, m + 8 * half + 2 * t, partial_rotation(g)) + e);
+          if (banks != kAllBanks) return false;
+        }
+      for (int i = 0; i < kChunk; i += 2) {  // the sums' loads: a quarter warp, rows i and i + 1, 16 bytes a lane
+        unsigned banks = 0;
+        for (int r = i; r < i + 2; ++r)
+          for (int j = 0; j < kChunk; j += 4)
+            for (int e = 0; e < 4; ++e) banks |= 1u << bank(32 * w + partial_offset(r, m + j, partial_rotation(r)) + e);
+        if (banks != kAllBanks) return false;
+      }
+    }
+  return true;
+}
+static_assert(partial_offset_conflict_free(), "partial_offset: each store and sum of the partials on every bank once");
 
 // A B in 3xTF32 with all three products in one accumulator, small ones first (float32-level
 // still; no final sums): for w, which is only rounded to bf16 and has independent tiles to
