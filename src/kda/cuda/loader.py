@@ -293,8 +293,8 @@ class Kernels:
         """Per device, once: allow the recurrence its dynamic shared memory (over 48 KB), and
         ask for the largest shared-memory carveout for both kernels, so that shared memory
         never holds the number of resident CTAs below what their registers allow (the driver
-        sizes the carveout by its own estimate of residency; K1's six CTAs of 35.7 KB, with the
-        1 KB an SM reserves a CTA, need 220 KB of the 228)."""
+        sizes the carveout by its own estimate of residency; K1's six CTAs of 35.2 KB, with the
+        1 KB an SM reserves a CTA, need 217 KB of the 228)."""
         if device_index in self.configured_devices:
             return
         driver = self.driver

@@ -65,6 +65,11 @@ constexpr bool raw_index_conflict_free() {
       pieces |= 1u << (at % kHeadDim / 8);
     }
     if (pieces != 0xffffu) return false;
+    for (int half = 0; half < 2; ++half) {  // the copies: eight lanes (pieces 8 half ..) a 128-byte phase
+      unsigned groups = 0;
+      for (int p = 8 * half; p < 8 * half + 8; ++p) groups |= 1u << (raw_index(row, 8 * p) / 8 % 8);
+      if (groups != 0xffu) return false;
+    }
   }
   for (int base = 0; base < kChunk; base += 8)  // ldmatrix: eight rows at one piece
     for (int p = 0; p < kHeadDim / 8; ++p) {
@@ -92,7 +97,7 @@ struct __align__(16) PrepareTiles {
     float G[kChunk][kPad];  // cumulative log2-decay (only the pairwise rows read it)
   } g;
   // scale q exp(G): left operand of M. Warp w reads only its columns [32 w, 32 w + 32), and
-  // then stores its partial A and M there (columns 32 w + [0, 16) and 32 w + [16, 32)).
+  // then stores its partial A and M there, rows rotated (partial_offset).
   float qd[kChunk][kPad];
   float kd[kChunk][kPad];  // k exp(G): left operand of A, right operand of w
   float A[kChunk][kRowPad];  // strictly lower, row i times beta_i; then inverse_beta
@@ -407,10 +412,10 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         const int i = e / kChunk, j = e % kChunk;
         if (!((far_rows >> i) & 1) || j > i) continue;
         float a = 0.f, m = 0.f;
-        for (int piece = 0; piece < kHeadDim / 8; ++piece) {  // d in order, a piece's 8 at a time
-          const int at_i = raw_index(i, 8 * piece), at_j = raw_index(j, 8 * piece);
+        for (int p8 = 0; p8 < kHeadDim / 8; ++p8) {  // d in order, a piece's 8 at a time
+          const int at_i = raw_index(i, 8 * p8), at_j = raw_index(j, 8 * p8);
           for (int e8 = 0; e8 < 8; ++e8) {
-            const int d = 8 * piece + e8;
+            const int d = 8 * p8 + e8;
             const float kj =
                 __bfloat162float(s.k[at_j + e8]) * s.rk[j] * exp2f(fminf(s.g.G[i][d] - s.g.G[j][d], 0.f));
             a = fmaf(__bfloat162float(s.k[at_i + e8]), kj, a);
@@ -612,9 +617,9 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
 
 // The lower-bound gate decays by at most |lb| a token: with lb >= -5.025 no row of 16 tokens
 // gets past the limit, and kda_prepare drops the per-row test (the host's choice:
-// abi.prepare_kernel_name). Six CTAs an SM there (35.2 KB of shared memory, at most 80
-// registers: 1x8192 H96 K1 0.471 -> 0.446 ms against the same code at five, run 73,
-// benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
+// abi.prepare_kernel_name). Six CTAs an SM there (35.7 KB of shared memory then, 35.2 since
+// 2026-12-04; at most 80 registers: 1x8192 H96 K1 0.471 -> 0.446 ms against the same code at
+// five, run 73, benchmarks/NOTES.md); kda_prepare_far keeps ki's own tile and five.
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Params p) { prepare_chunk<false>(p); }
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const Params p) { prepare_chunk<true>(p); }
 // kda_prepare with its tiles in the wgmma K2's layout (abi.PREPARE_WGMMA_KERNEL): the same
