@@ -710,7 +710,7 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     K2 carries its float32 state across them as within one block, so o and the final state are the
     uncut call's on the same K2 bit for bit, read on the current stream straight after the call
     (which must wait for the recurrence stream). The blocks take the wgmma K2 at one CTA an SM
-    (forward.BLOCKS_WGMMA_CTAS; the uncut call is pinned to it) unless ``warps`` pins the mma.sync
+    (forward.recurrence_kind's ``blocked``; the uncut call is pinned to it) unless ``warps`` pins the mma.sync
     one for both. Through the test hook into NaN-poisoned outputs inside guard bands: every
     element written, nothing outside; and within the fp64 bound."""
     from kda.cuda.forward import block_bounds, run_blocks
@@ -939,9 +939,9 @@ def test_gpu_cuda_recurrence_matches_triton_on_the_same_workspace(cuda_on, monke
     layout the workspace is filled in, whatever KDA_CUDA_WARPS says.)"""
     from kda.cuda.forward import run_stages, workspace_bytes
     from kda.triton import chunk_forward as triton_forward
+    from kda.triton.prepare import prepare_chunks
 
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", "mma")
-    from kda.triton.prepare import prepare_chunks
 
     case = cuda_case([37, 0, 16, 200], 2, True, "lower_bound", False, True, seed=11)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())

@@ -135,8 +135,9 @@ def start_jsonl(out, **extra) -> dict:
     """The first line of a device experiment's JSON-lines log (the GPU, the date, the versions and
     ``extra``), printed and written to the open file ``out``; returned."""
     head = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "versions": versions(), **extra}
-    print(json.dumps(head), flush=True)
-    out.write(json.dumps(head) + "\n")
+    line = json.dumps(head)
+    print(line, flush=True)
+    out.write(line + "\n")
     return head
 
 
