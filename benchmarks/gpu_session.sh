@@ -197,7 +197,8 @@ ab_rounds() {
       KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 "$script" "$dir" "$@" >> "$OUT/$name.jsonl" 2>> "$OUT/$name.log"
     done
   done
-  python3 "$script" --summary "$OUT/$name.jsonl"
+  # the table also into the logs (runs 137-139 kept it only in the console)
+  python3 "$script" --summary "$OUT/$name.jsonl" | tee "$OUT/$name-summary.log"
 }
 if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
@@ -211,7 +212,7 @@ if [[ $step == *widthab* ]]; then  # K2 widths (KDA_CUDA_WARPS; auto: the rule) 
     done
   done
   unset KDA_CUDA_WARPS
-  python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl"
+  python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl" | tee "$OUT/width-ab-summary.log"
 fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"
   ab_rounds decode-ab "${DECODE_AB_DIRS:-.kernels}" benchmarks/decode_ab.py ${DECODE_AB_SIZES:-32 256 1024}
