@@ -289,20 +289,17 @@ def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[
     if p.N * p.H == 0:  # nothing to launch (an empty batch); the driver refuses empty grids
         return _outputs(p)
     sms = sm_count(device_index)
-    checkpointing = checkpoints is not None
-    blocks = pipeline_blocks(p, sms, capturing, checkpointing)
-    # The call's K2, decided once for every launch of it: where time blocks are wanted, the blocks'
-    # K2, also when the call runs uncut (no recurrence stream left, or a capture), so that it gives
-    # the blocked call's bits.
-    blocked = blocks > 1 or (capturing and blocks_wanted(p, sms, checkpointing) > 1)
-    kind = recurrence_kind(p, sms, checkpointing, blocked=blocked)
+    blocks = pipeline_blocks(p, sms, capturing, checkpoints is not None)
     if blocks > 1:
         streams = stream_pair(device_index, stream, kernels)
         if streams is not None:
-            return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream, streams, kind)
+            return _run_blocks(p, *_outputs(p), blocks, kernels, device_index, stream, streams)
         log_once(f"chunk_kda: no time blocks on this stream ({RECURRENCE_STREAMS} recurrence streams kept already)")
     o, ht = _outputs(p)
     tables, workspace = _tables_and_workspace(p, kernels, device_index, stream, capturing)
+    # uncut: the K2 blocks would have taken where they were wanted (no stream left, or a capture)
+    blocked = blocks > 1 or (capturing and blocks_wanted(p, sms, checkpoints is not None) > 1)
+    kind = recurrence_kind(p, sms, checkpoints is not None, blocked=blocked)
     _launch(p, o, ht, workspace, tables, kernels, device_index, stream, True, checkpoints, wgmma_ctas=kind)
     return o, ht
 
@@ -317,19 +314,18 @@ def run_blocks(p: Problem, o: torch.Tensor, ht: torch.Tensor | None, blocks: int
     streams = stream_pair(device_index, stream, kernels)
     if streams is None:
         raise RuntimeError(f"run_blocks: {RECURRENCE_STREAMS} recurrence streams are kept for other streams already")
-    kind = recurrence_kind(p, sm_count(device_index), False, blocked=True)
-    return _run_blocks(p, o, ht, blocks, kernels, device_index, stream, streams, kind)
+    return _run_blocks(p, o, ht, blocks, kernels, device_index, stream, streams)
 
 
-def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stream: int, streams, kind: int) -> tuple:
+def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stream: int, streams) -> tuple:
     """:func:`chunk_forward` of one sequence in time blocks (:func:`pipeline_blocks`), each a
     batched call of B = 1:
     K1 of every block on the current stream, K2 of each on the recurrence stream once its K1 is
     done, reading the state the previous block's K2 wrote. The blocks' chunks are the uncut
     call's and K2 carries the state in float32 from one block to the next as within one, so the
-    result is the uncut call's on the same K2 bit for bit (tests/test_cuda.py; ``kind``: every
-    block's K2, the one :func:`recurrence_kind` picks for a blocked call, which
-    :func:`chunk_forward` also gives such a call run uncut). Every buffer is allocated on the
+    result is the uncut call's on the same K2 bit for bit (tests/test_cuda.py; every block's K2
+    is the one :func:`recurrence_kind` picks for a blocked call, which :func:`chunk_forward` also
+    gives such a call run uncut). Every buffer is allocated on the
     current stream, which waits for the recurrence stream before it returns: later work there
     (and the allocator's reuse of these buffers) comes after the last K2."""
     bounds = block_bounds(p.T, blocks)
@@ -354,6 +350,7 @@ def _run_blocks(p: Problem, o, ht, blocks: int, kernels, device_index: int, stre
             for part, o_i, ht_i, a, b in parts
         ]
     current, side = streams
+    kind = recurrence_kind(p, sm_count(device_index), False, blocked=True)  # one K2 kind for every block
     log_once(f"chunk_kda: K1 beside K2 in {len(bounds)} time blocks of <= {bounds[0][1]} tokens")
     note(f"cuda:blocks:{len(bounds)}")
     try:
