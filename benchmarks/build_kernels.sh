@@ -7,8 +7,9 @@
 # of CMakeLists.txt (CUTLASS headers from the nvidia-cutlass wheel of .venv), e.g.
 #   bash benchmarks/build_kernels.sh .kernels-main main
 #   bash benchmarks/build_kernels.sh .kernels-x HEAD -DKDA_WGMMA_UNROLL_CTAS=2
-# Builds compared in one A/B must share the ABI (the Params layout): the script prints the header's
-# hash, which must agree. ptxas -v goes to OUTDIR/ptxas-<stage>.log.
+# Builds compared in one A/B must share the parameter blocks and the workspace layout (one tree's
+# Python fills them for every build): the script prints their hash, which must agree. ptxas -v
+# goes to OUTDIR/ptxas-<stage>.log.
 set -euo pipefail
 out=$(realpath -m "$1"); rev=${2:-}; shift $(( $# < 2 ? $# : 2 ))
 root=$(git rev-parse --show-toplevel)
@@ -27,4 +28,7 @@ for stage in prepare recurrence decode; do
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || { grep -h error "$out"/ptxas-*.log; exit 1; }; done
-echo "$out: ${rev:-working tree} $* (ABI header $(sha256sum "$src/kda_abi.h" | cut -c1-12))"
+# The parameter blocks and the workspace layout: what every build of one A/B must agree on
+# (constants the header also carries may differ between builds).
+layout=$(awk '/^struct (Params|DecodeParams|TablesParams|WorkspaceLayout) \{/,/^\};/' "$src/kda_abi.h" | sha256sum | cut -c1-12)
+echo "$out: ${rev:-working tree} $* (parameter blocks and workspace layout $layout)"
