@@ -210,6 +210,45 @@ def interpreter_refusal() -> str:
                           check=True).stdout.strip()  # fmt: skip
 
 
+@exits_without_teardown
+def _dtype_worker(rank, world, store, which):
+    """The states' dtypes across ranks, batched and packed (a review, 2026-12-04): a bf16 initial
+    state, which the unsharded call reads once and then carries in float32 (rank r > 0's start
+    was rounded to bf16: o 1e-3 off), and float64 inputs, whose states are float64 (float32
+    zeros made the packed path refuse its own initial state, or gather float32 beside float64)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        packed = which.endswith("packed")
+        lens = [50, 30]  # packed: the first sequence crosses from rank 0 into rank 1
+        shape = dict(seq_lens=lens) if packed else dict(B=2, T=world * T_LOCAL)
+        case = make_case(**shape, H=1, HV=2, K=16, V=8, gate="precomputed", seed=77)
+        case.g = case.g * 0.02  # gentle decays: the state carried across ranks shows in every output
+        if which.startswith("float64"):
+            case = case.to(torch.float64)
+        kw = case.kwargs()
+        if which.startswith("bf16 h0"):
+            kw["initial_state"] = case.initial_state.bfloat16()
+        elif "no h0" in which:
+            kw["initial_state"] = None
+        o_all, ht_all = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+        per = (sum(lens) if packed else world * T_LOCAL) // world
+        span = slice(rank * per, (rank + 1) * per)
+        local = [x[:, span].contiguous() for x in case.tensors()]
+        o, ht = kda.chunk_kda(*local, backend="torch", cp_group=dist.group.WORLD, **kw)
+        bar = 1e-12 if which.startswith("float64") else 1e-5
+        assert ht.dtype == ht_all.dtype, (rank, ht.dtype, ht_all.dtype)
+        assert rel(o.double(), o_all[:, span].double()) <= bar, (rank, rel(o.double(), o_all[:, span].double()))
+        assert rel(ht.double(), ht_all.double()) <= bar, (rank, rel(ht.double(), ht_all.double()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("which", ["bf16 h0", "bf16 h0 packed", "float64", "float64 no h0 packed", "float64 packed"])
+def test_sharded_call_keeps_the_unsharded_calls_state_dtypes(tmp_path, which):
+    mp.spawn(_dtype_worker, args=(2, str(tmp_path / "store"), which), nprocs=2)
+
+
 def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False, deprecated=False):
     if backend == "triton" and (why := interpreter_refusal()):
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")

@@ -8,8 +8,9 @@ The state after a run of tokens is affine in the state before it, ``S_after = P 
 1. finds its own ``(P, R)`` with the chunk kernels themselves: R is the final state of its
    tokens run from a zero state, P the final states of its tokens with v = 0 run from the
    columns of the identity (``ceil(K / V)`` runs: each state holds V columns of P);
-2. all-gathers every rank's ``(P, R)`` and the first rank's initial state in float32 (one
-   collective: ``K x K + 2 K x V`` per sequence and value head);
+2. all-gathers every rank's ``(P, R)`` and the first rank's initial state in the full state
+   dtype (float32, or float64 for float64 inputs: ``validation.STATE_DTYPES``; one collective:
+   ``K x K + 2 K x V`` per sequence and value head);
 3. folds the earlier ranks' transitions into its initial state and runs its tokens.
 
 Every rank returns its tokens' outputs and the final state of the whole sequence (folded from
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from kda.transitions import affine_transitions, kv_layout
+from kda.validation import STATE_DTYPES
 
 
 def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
@@ -141,7 +143,8 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     device = _device(group, q)
     if kw.get("cu_seqlens") is not None:
         return _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_final, kw)
-    # 1. this rank's transition, float32, KV layout
+    # 1. this rank's transition, in the full state dtype, KV layout
+    full = STATE_DTYPES[q.dtype][0]
     P, R = affine_transitions(chunk_kda, q, k, v, g, beta, kw, B)
     as_kv, from_kv = kv_layout(v_first)
 
@@ -152,9 +155,9 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
         any(x.requires_grad for x in (P, R)) or (h0 is not None and h0.requires_grad)
     )  # fmt: skip
     has_h0, trainers = _agree(group, world, device, h0 is not None, training)
-    start = torch.zeros(R.shape, dtype=torch.float32, device=R.device)
+    start = torch.zeros(R.shape, dtype=full, device=R.device)
     if has_h0 and rank == 0:
-        start = as_kv(h0.float()).to(R.device)
+        start = as_kv(h0.to(full)).to(R.device)
     mine = torch.cat([P, R, start], dim=-1).to(device).contiguous()  # [B, HV, K, K + 2 V]
     every = _gather(mine, group, world, trainers)
     V = R.shape[-1]
@@ -163,15 +166,15 @@ def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
     # 3. the earlier ranks folded in, this rank's tokens run from the true state
     for r in range(rank):
         S = every[r][..., :K] @ S + every[r][..., K : K + V]
+    # The folded state in the full dtype, not the given initial state's: a bf16 one rounded every
+    # later rank's start (o 1e-3 off the unsharded call, a review, 2026-12-04).
     start = from_kv(S.to(q.device))
-    if h0 is not None:
-        start = start.to(h0.dtype)
     o, _ = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=False, **kw)
     if not want_final:
         return o, None
     for r in range(rank, world):
         S = every[r][..., :K] @ S + every[r][..., K : K + V]
-    final_dtype = kw.get("final_state_dtype") or torch.float32
+    final_dtype = kw.get("final_state_dtype") or full
     return o, from_kv(S.to(q.device)).to(final_dtype)
 
 
@@ -203,6 +206,7 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
     lo = starts[rank]
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
     device = _device(group, q)
+    full = STATE_DTYPES[q.dtype][0]  # (P, R) as affine_transitions gives them; float64 inputs: float64
     local_kw = {n: x for n, x in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
 
     def continues(r):  # rank r's last piece goes on past its slice
@@ -210,8 +214,8 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
         return bool(pieces) and pieces[-1][2] < cu[pieces[-1][0] + 1]
 
     # 1. the transition of this rank's last piece, if its sequence continues on the next rank
-    P = torch.zeros(1, HV, K, K, dtype=torch.float32, device=q.device)
-    R = torch.zeros(1, HV, K, V, dtype=torch.float32, device=q.device)
+    P = torch.zeros(1, HV, K, K, dtype=full, device=q.device)
+    R = torch.zeros(1, HV, K, V, dtype=full, device=q.device)
     if continues(rank):
         _, a, b = mine[-1]
         span = slice(a - lo, b - lo)
@@ -231,8 +235,8 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
     # transitions folded in for a first piece that continues a sequence begun on another rank
     def initial(n):
         if h0 is None:
-            return torch.zeros(HV, K, V, dtype=torch.float32, device=q.device)
-        return as_kv(h0[n].float())
+            return torch.zeros(HV, K, V, dtype=full, device=q.device)
+        return as_kv(h0[n].to(full))
 
     begun = [initial(n) for n, _, _ in mine]
     if mine and mine[0][1] > cu[mine[0][0]]:
@@ -249,9 +253,7 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
         anchor = sum(e.sum() for e in every) * 0.0
     local_cu_host = torch.tensor([0, *[b - lo for _, _, b in mine]], dtype=torch.int64)
     if mine:
-        start = from_kv(torch.stack(begun))
-        if h0 is not None:
-            start = start.to(h0.dtype)
+        start = from_kv(torch.stack(begun))  # in the full dtype (see the batched path)
         o, ht = chunk_kda(q, k, v, g, beta, initial_state=start, output_final_state=want_final,
                           cu_seqlens=local_cu_host.to(q.device), cu_seqlens_cpu=local_cu_host, **local_kw)  # fmt: skip
     else:  # an empty slice
@@ -263,12 +265,12 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
 
     # 4. final states: each sequence's from the rank where it ends (a sum over ranks of
     # disjoint rows; an empty sequence's is its initial state, on every rank)
-    final_dtype = kw.get("final_state_dtype") or torch.float32
+    final_dtype = kw.get("final_state_dtype") or full
     owned = [i for i, (n, _, b) in enumerate(mine) if b == cu[n + 1]]
     rows = [mine[i][0] for i in owned]
-    finals = torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
+    finals = torch.zeros(N, HV, K, V, dtype=full, device=device)
     if rows:
-        finals[rows] = as_kv(ht[owned].float()).detach().to(device)
+        finals[rows] = as_kv(ht[owned].to(full)).detach().to(device)
     dist.all_reduce(finals, group=group)
     finals = finals.to(q.device)
     empty = [n for n in range(N) if cu[n] == cu[n + 1]]
