@@ -202,6 +202,21 @@ def test_no_automatic_split_off_the_cuda_path(monkeypatch):
         assert not any(e.startswith("segments") for e in events), (backend, events)
 
 
+def test_no_call_is_split_under_a_graph_capture(monkeypatch):
+    """KDA_SEGMENT_TOKENS forces the split on any backend, but not under a CUDA-graph capture,
+    which the split's copies of its segment table to the device would fail (api.capturing, asked
+    on every route since a review of 2026-12-04; the GPU test below captures for real)."""
+    import kda.api
+
+    case = make_case(T=80, H=1, K=16, V=8, gate="precomputed", seed=87)
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
+    for under_capture, want in ((False, True), (True, False)):
+        monkeypatch.setattr(kda.api, "capturing", lambda q, c=under_capture: c)
+        with kda.record_dispatch() as events:
+            kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
+        assert ("segments:32" in events) == want, (under_capture, events)
+
+
 @pytest.mark.gpu
 def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     """A call the CUDA path runs, one long sequence and one head: split automatically (at the
@@ -242,12 +257,15 @@ def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     assert not any(e.startswith("segments") for e in events), events
     kw = case.kwargs()
     kda.chunk_kda(*case.tensors(), **kw)  # (warm: the capture launches what is already loaded)
-    graph = torch.cuda.CUDAGraph()
-    with kda.record_dispatch() as events, torch.cuda.graph(graph):
-        captured = kda.chunk_kda(*case.tensors(), **kw)
-    graph.replay()
-    assert not any(e.startswith("segments") for e in events), events
-    assert rel(captured[0], want[0]) <= 1e-2, rel(captured[0], want[0])
+    for forced in (None, "64"):  # nor when KDA_SEGMENT_TOKENS asks (the capture failed then until 2026-12-04)
+        if forced:
+            monkeypatch.setenv("KDA_SEGMENT_TOKENS", forced)
+        graph = torch.cuda.CUDAGraph()
+        with kda.record_dispatch() as events, torch.cuda.graph(graph):
+            captured = kda.chunk_kda(*case.tensors(), **kw)
+        graph.replay()
+        assert not any(e.startswith("segments") for e in events), (forced, events)
+        assert rel(captured[0], want[0]) <= 1e-2, (forced, rel(captured[0], want[0]))
 
 
 @pytest.mark.gpu

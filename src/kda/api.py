@@ -123,7 +123,7 @@ def chunk_kda(
         lengths = _lengths(problem) if span or longest >= segments.long_tokens() else None
         if span is None:  # (the length first: a call too short to split pays no more host time)
             span, why = _auto_segments(problem, backend, lengths) if lengths is not None else (0, "")
-        if span and longest > span:
+        if span and longest > span and not capturing(q):
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
             return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why, chunk_kda_runs)
@@ -167,6 +167,17 @@ def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
     )
 
 
+def capturing(q: torch.Tensor) -> bool:
+    """Whether ``q``'s GPU stream is being captured into a CUDA graph: no call is split then, on
+    any route (the split copies its segment table to the device, which a capture refuses; until
+    a review of 2026-12-04 only the automatic route asked, so a forced ``KDA_SEGMENT_TOKENS``
+    failed the capture)."""
+    if not q.is_cuda:
+        return False
+    with dispatch.on_device_of(q):  # (torch asks of the current device's current stream)
+        return torch.cuda.is_current_stream_capturing()
+
+
 def _lengths(problem) -> list[int]:
     values = problem.cu_seqlens_values
     return [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
@@ -174,18 +185,15 @@ def _lengths(problem) -> list[int]:
 
 def _auto_segments(problem, backend: str, lengths: list[int]) -> tuple[int, str]:
     """The automatic split (``segments.auto_span``) of a call the CUDA path would run, the
-    only path it was measured on, outside a CUDA-graph capture (the split copies its segment
-    table to the device, which a capture refuses); (0, "") for any other."""
+    only path it was measured on (never under a CUDA-graph capture: :func:`capturing`); (0, "")
+    for any other."""
     if backend not in ("auto", "cuda") or not problem.q.is_cuda:
         return 0, ""
     if dispatch.refusal(dispatch.get_backend("cuda"), problem) is not None:
         return 0, ""
-    from kda.cuda.forward import sm_count, stream_capturing
+    from kda.cuda.forward import sm_count
 
-    index = problem.q.device.index
-    if stream_capturing(index):
-        return 0, ""
-    sms = sm_count(index)
+    sms = sm_count(problem.q.device.index)
     why = f"automatic: {segments.long_chains(lengths, problem.HV)} long (sequence, head) chains on {sms} SMs"
     return segments.auto_span(lengths, problem.HV, sms), f"{why}; {segments.SETTING}=0 turns it off"
 

@@ -166,10 +166,14 @@ def entering_outputs(o_zero, o_P, starts, offsets) -> torch.Tensor:
     bf16 outputs on a GPU with K and V up to 128: one Triton kernel (kda.triton.segments, whose
     tiles of larger heads would not fit in shared memory); otherwise a float64 product a segment."""
     if o_zero.is_cuda and o_zero.dtype == torch.bfloat16:
+        from kda.dispatch import on_device_of
         from kda.triton.segments import MAX_SIDE, add_entering_states
 
         if max(o_zero.shape[-1], o_P.shape[-1]) <= MAX_SIDE:
-            return add_entering_states(o_zero, o_P, starts, offsets)
+            # Triton launches on the current device and its stream: the tensors' own (a review,
+            # 2026-12-04: every other Triton launch of kda had the guard).
+            with on_device_of(o_zero):
+                return add_entering_states(o_zero, o_P, starts, offsets)
     out = torch.empty_like(o_zero)
     bounds = offsets.tolist()
     for j in range(len(bounds) - 1):
