@@ -152,8 +152,14 @@ def test_decode_in_place_final_state_pools_and_refusals(fla_kda):
     assert torch.equal(pool, mine)
     assert not torch.equal(pool[3], before[3]) and torch.equal(pool[[1, 2]], before[[1, 2]])
     bad_indices = torch.zeros(2, dtype=torch.float32)
+    # Slot indices with the final states returned apart (not in place): fla starts sequence n from
+    # initial_state[indices[n]], which kda's plain call would not (a review, 2026-12-04).
+    no_inplace = dict(initial_state=pool, inplace_final_state=False, output_final_state=True)
     for over, says in (({"out": torch.zeros(1)}, "`out`"),
-                       ({"ssm_state_indices": bad_indices}, "kda cannot take the call")):  # fmt: skip
+                       ({"ssm_state_indices": bad_indices}, "kda cannot take the call"),
+                       (dict(no_inplace, ssm_state_indices=slots), "without `inplace_final_state`"),
+                       (dict(no_inplace, num_accepted_tokens=torch.ones(2, dtype=torch.int32)),
+                        "without `inplace_final_state`")):  # fmt: skip
         accepted, why = backend.verify("fused_recurrent_kda_fwd", *args, **dict(kw, **over))
         assert not accepted and says in why, why
 

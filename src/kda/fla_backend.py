@@ -78,6 +78,13 @@ def _decode_refusal(call: dict) -> str | None:
 
     if call.get("out") is not None:
         return "`out` is not supported by kda"
+    if not call["inplace_final_state"] and (
+        call["ssm_state_indices"] is not None or call["num_accepted_tokens"] is not None
+    ):
+        # fla then starts sequence n from initial_state[ssm_state_indices[n]] and returns the final
+        # states apart; kda takes slot indices with the pool updated in place only (the call ran
+        # as a plain one from initial_state[n] until a review of 2026-12-04: o 0.88 off).
+        return "`ssm_state_indices` / `num_accepted_tokens` without `inplace_final_state` (fla's kernel takes them)"
     try:
         problem = _decode_problem(api, call)
     except (TypeError, ValueError) as err:
