@@ -243,6 +243,46 @@ def test_prefill_indices_are_checked(idx, says):
     assert says in str(info.value), str(info.value)
 
 
+def test_prefill_takes_strided_indices_and_an_empty_pool_and_refuses_what_the_plain_call_does():
+    """From a review (2026-12-04): strided indices are read as their values (the GPU's scatter
+    kernel read them at unit stride: other slots written); a pool of no slots with padding
+    indices runs from zeros (index_select of the empty pool failed); the prefill refuses grad on
+    any input in grad mode (only q and the pool were asked), return_intermediate_states as the
+    plain call does (it was dropped), and a final_state_dtype other than the pool's (ignored)."""
+    from kda import validation
+
+    case = make_case(seq_lens=[3, 2], H=1, K=16, V=16, seed=69)
+    kw = {n: x for n, x in case.kwargs().items() if n not in ("initial_state", "output_final_state")}
+    strided = torch.tensor([[1, 9], [3, 9]])[:, 0]
+    assert not strided.is_contiguous()
+    pool = torch.randn(4, 1, 16, 16)
+    _, idx = validation.pool_prefill_sequences(case.q, pool, strided, case.cu_seqlens)
+    assert idx.is_contiguous() and torch.equal(idx, strided)
+    pools = [pool.clone(), pool.clone()]
+    for p, i in zip(pools, (strided, strided.contiguous()), strict=True):
+        kda.chunk_kda(*case.tensors(), initial_state=p, initial_state_indices=i, backend="torch", **kw)
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], pool)
+
+    empty = torch.zeros(0, 1, 16, 16)
+    o, out = kda.chunk_kda(*case.tensors(), initial_state=empty, initial_state_indices=torch.tensor([-1, -1]),
+                           backend="torch", **kw)  # fmt: skip
+    o_zero, _ = kda.chunk_kda(*case.tensors(), backend="torch", **kw)
+    assert out is empty and torch.equal(o, o_zero)
+
+    idx = torch.tensor([0, 2])
+    v = case.v.clone().requires_grad_()
+    tensors = (case.q, case.k, v, case.g, case.beta)
+    with pytest.raises(ValueError, match="no backward"):
+        kda.chunk_kda(*tensors, initial_state=pool.clone(), initial_state_indices=idx, backend="torch", **kw)
+    with torch.no_grad():
+        kda.chunk_kda(*tensors, initial_state=pool.clone(), initial_state_indices=idx, backend="torch", **kw)
+    for over, error in (({"return_intermediate_states": True}, ValueError),
+                        ({"final_state_dtype": torch.bfloat16}, TypeError)):  # fmt: skip
+        with pytest.raises(error):
+            kda.chunk_kda(*case.tensors(), initial_state=pool.clone(), initial_state_indices=idx, backend="torch",
+                          **kw, **over)  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_sequence_with_no_tokens_leaves_its_slot_to_the_one_that_has_tokens(backend):
     """Two sequences name slot 2; the second has no tokens. The slot keeps the state the first

@@ -107,8 +107,9 @@ def chunk_kda(
     if initial_state_indices is not None:
         return _prefill_into_pool(
             q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
-            cu_seqlens_cpu, backend, initial_state_indices, kwargs,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+            return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, backend, final_state_dtype,
+            initial_state_indices, kwargs,
         )  # fmt: skip
     problem = validation.check_problem(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -297,19 +298,32 @@ def _call_kwargs(arguments: dict, kwargs: dict) -> dict:
 
 def _prefill_into_pool(
     q, k, v, g, beta, scale, pool, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-    allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, backend, indices, kwargs,
+    allow_neg_eigval, safe_gate, lower_bound, disable_recompute, return_intermediate_states, state_v_first,
+    cu_seqlens, cu_seqlens_cpu, backend, final_state_dtype, indices, kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """chunk_kda with ``initial_state_indices``: gather the slots' states (zeros for no slot),
-    run the call, write the final states back; no host synchronisation on a GPU."""
-    N = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens)
+    run the call, write the final states back in the pool's dtype; no host synchronisation on a
+    GPU. The call's other arguments go to it as given, so that it accepts and refuses what the
+    call without indices does (return_intermediate_states was dropped, and final_state_dtype
+    ignored, until a review of 2026-12-04)."""
+    inputs = (k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
+    N, indices = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens, inputs)
+    if final_state_dtype is not None and final_state_dtype != pool.dtype:
+        raise TypeError(
+            f"`final_state_dtype` with `initial_state_indices` must be None or the pool's dtype {pool.dtype} "
+            f"(the final states are written into the pool), got {final_state_dtype}"
+        )
     P = pool.shape[0]
-    ok = (indices >= 0) & (indices < P)
-    h0 = pool.index_select(0, indices.clamp(0, max(P - 1, 0)).long())
-    h0 = torch.where(ok.view(N, 1, 1, 1), h0, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    if P == 0:  # no slot to read (index_select of an empty pool fails): every sequence from zeros
+        h0 = pool.new_zeros(N, *pool.shape[1:])
+    else:
+        ok = (indices >= 0) & (indices < P)
+        h0 = pool.index_select(0, indices.clamp(0, P - 1).long())
+        h0 = torch.where(ok.view(N, 1, 1, 1), h0, torch.zeros((), dtype=pool.dtype, device=pool.device))
     o, ht = chunk_kda(
         q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, safe_gate, lower_bound, False, False, state_v_first, cu_seqlens, cu_seqlens_cpu,
-        backend=backend, **kwargs,
+        allow_neg_eigval, safe_gate, lower_bound, disable_recompute, return_intermediate_states, state_v_first,
+        cu_seqlens, cu_seqlens_cpu, backend=backend, **kwargs,
     )  # fmt: skip
     _scatter_states(pool, indices, ht)
     return o, pool

@@ -530,9 +530,13 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
     return p
 
 
-def pool_prefill_sequences(q: object, pool: object, indices: object, cu_seqlens: object) -> int:
+def pool_prefill_sequences(
+    q: object, pool: object, indices: object, cu_seqlens: object, inputs: tuple = ()
+) -> tuple[int, torch.Tensor]:
     """Check chunk_kda's ``initial_state_indices`` and its pool (the state's own shape checks
-    follow on the gathered states); returns N, the number of sequences."""
+    follow on the gathered states; ``inputs``: the call's other tensors, for the grad check);
+    returns N, the number of sequences, and the indices contiguous (the GPU's scatter kernel
+    reads them at unit stride: a strided view wrote other slots, a review of 2026-12-04)."""
     x = _require_tensor("initial_state", pool)
     idx = _require_tensor("initial_state_indices", indices)
     q = _require_tensor("q", q)
@@ -546,8 +550,10 @@ def pool_prefill_sequences(q: object, pool: object, indices: object, cu_seqlens:
     if idx.device != x.device or x.device != q.device:
         _require_device("initial_state_indices", idx, q.device)
         _require_device("initial_state", x, q.device)
-    if x.requires_grad or q.requires_grad:
+    # Any input that would train (grad mode on), as check_problem asks (only q and the pool were
+    # asked until 2026-12-04: a v requiring grad gave a CPU pool autograd history).
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, q, *inputs)):
         raise ValueError("a prefill into a state pool (`initial_state_indices`) has no backward: call without grad")
     if not x.is_contiguous():
         raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
-    return N
+    return N, idx.contiguous()
