@@ -149,6 +149,18 @@ def test_problem_sizes_are_those_of_the_tensors(varlen, state_v_first):
     assert p.gate_form == "softplus"
 
 
+@pytest.mark.parametrize("chunk_size, ok", [(32, True), (64, True), (16, False), (17, False)])
+def test_chunk_size_is_ignored_but_checked_as_fla_checks_it(chunk_size, ok):
+    """fla's chunk_kda takes chunk_size 32 or 64 and refuses the rest; kda ignores it (its chunks
+    are 16 tokens) but refuses what fla refuses, so a call valid on one is valid on the other."""
+    args = base(backend="torch")
+    if ok:
+        kda.chunk_kda(**args, chunk_size=chunk_size)
+    else:
+        with pytest.raises(ValueError, match="`chunk_size`"):
+            kda.chunk_kda(**args, chunk_size=chunk_size)
+
+
 def test_checking_leaves_the_callers_keyword_arguments_alone():
     """check_chunk_kda reads fla's extra keyword arguments without popping them: a dict reused
     across calls (as checked_problem's callers and the benchmarks do) checks the same each time."""

@@ -281,6 +281,11 @@ def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
         raise ValueError("`cp_context` (context parallelism) is taken by chunk_kda only")
     if not kwargs.keys() <= KNOWN_KWARGS:  # a subset test builds no set
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs.keys() - KNOWN_KWARGS))}")
+    # Ignored (kda's chunks are 16 tokens), but what fla refuses is refused (a review, 2026-12-04).
+    if kwargs.get("chunk_size", 64) not in (32, 64):
+        raise ValueError(
+            f"`chunk_size` must be either 32 or 64 (fla's choices; kda ignores it), got {kwargs['chunk_size']}"
+        )
     return state_v_first
 
 
