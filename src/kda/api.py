@@ -173,10 +173,7 @@ def capturing(q: torch.Tensor) -> bool:
     any route (the split copies its segment table to the device, which a capture refuses; until
     a review of 2026-12-04 only the automatic route asked, so a forced ``KDA_SEGMENT_TOKENS``
     failed the capture)."""
-    if not q.is_cuda:
-        return False
-    with dispatch.on_device_of(q):  # (torch asks of the current device's current stream)
-        return torch.cuda.is_current_stream_capturing()
+    return q.is_cuda and dispatch.stream_capturing(q.get_device())
 
 
 def _lengths(problem) -> list[int]:
@@ -307,12 +304,7 @@ def _prefill_into_pool(
     call without indices does (return_intermediate_states was dropped, and final_state_dtype
     ignored, until a review of 2026-12-04)."""
     inputs = (k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
-    N, indices = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens, inputs)
-    if final_state_dtype is not None and final_state_dtype != pool.dtype:
-        raise TypeError(
-            f"`final_state_dtype` with `initial_state_indices` must be None or the pool's dtype {pool.dtype} "
-            f"(the final states are written into the pool), got {final_state_dtype}"
-        )
+    N, indices = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens, inputs, final_state_dtype)
     P = pool.shape[0]
     if P == 0:  # no slot to read (index_select of an empty pool fails): every sequence from zeros
         h0 = pool.new_zeros(N, *pool.shape[1:])

@@ -114,6 +114,13 @@ def on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
     return on_device(x.get_device()) if x.is_cuda else _STAY
 
 
+def stream_capturing(device_index: int) -> bool:
+    """Whether the current stream of ``device_index`` (not of the current device, which torch's
+    query asks about) is being captured into a CUDA graph."""
+    with on_device(device_index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKEND_MODULES:
         raise ValueError(f"`backend` must be one of 'auto', {', '.join(map(repr, BACKEND_MODULES))}; got {name!r}")

@@ -536,10 +536,11 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
 
 
 def pool_prefill_sequences(
-    q: object, pool: object, indices: object, cu_seqlens: object, inputs: tuple = ()
+    q: object, pool: object, indices: object, cu_seqlens: object, inputs: tuple = (), final_state_dtype: object = None
 ) -> tuple[int, torch.Tensor]:
     """Check chunk_kda's ``initial_state_indices`` and its pool (the state's own shape checks
-    follow on the gathered states; ``inputs``: the call's other tensors, for the grad check);
+    follow on the gathered states; ``inputs``: the call's other tensors, for the grad check;
+    ``final_state_dtype``: None or the pool's, as the final states go into the pool);
     returns N, the number of sequences, and the indices contiguous (the GPU's scatter kernel
     reads them at unit stride: a strided view wrote other slots, a review of 2026-12-04)."""
     x = _require_tensor("initial_state", pool)
@@ -557,8 +558,13 @@ def pool_prefill_sequences(
         _require_device("initial_state", x, q.device)
     # Any input that would train (grad mode on), as check_problem asks (only q and the pool were
     # asked until 2026-12-04: a v requiring grad gave a CPU pool autograd history).
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, q, *inputs)):
+    if torch.is_grad_enabled() and _any_requires_grad((x, q, *inputs)):
         raise ValueError("a prefill into a state pool (`initial_state_indices`) has no backward: call without grad")
     if not x.is_contiguous():
         raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
+    if final_state_dtype is not None and final_state_dtype != x.dtype:
+        raise TypeError(
+            f"`final_state_dtype` with `initial_state_indices` must be None or the pool's dtype {x.dtype} "
+            f"(the final states are written into the pool), got {final_state_dtype}"
+        )
     return N, idx.contiguous()

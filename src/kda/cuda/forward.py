@@ -11,7 +11,7 @@ import torch
 import kda.cuda as switches
 from kda import abi
 from kda.cuda import loader
-from kda.dispatch import log_once, note, on_device
+from kda.dispatch import log_once, note, on_device, stream_capturing
 from kda.tables import build_tables, chunk_slots, chunk_tables
 from kda.validation import Problem
 
@@ -272,13 +272,6 @@ def current_stream(device_index: int) -> int:
     if _current_raw_stream is not None:
         return _current_raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
-
-
-def stream_capturing(device_index: int) -> bool:
-    """Whether the current stream of ``device_index`` (not of the current device, which torch's
-    query asks about) is being captured into a CUDA graph."""
-    with on_device(device_index):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def chunk_forward(p: Problem, checkpoints: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
