@@ -55,7 +55,8 @@ REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (ten warps on
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
-                    abi.wgmma_kernel_name(1): 255, abi.wgmma_kernel_name(2): 168,
+                    **{abi.wgmma_kernel_name(1, step): 255 for step in abi.WGMMA_STEPS},
+                    **{abi.wgmma_kernel_name(2, step): 168 for step in abi.WGMMA_STEPS},
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -569,6 +570,46 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
     assert_close_fp64(ht_w, ht_ref, 5e-3, "state")
     assert rel(o_w, o_ref) <= 1.02 * rel(o_mma, o_ref) + 1e-5
     assert rel(ht_w.double(), ht_ref) <= 1.02 * rel(ht_mma.double(), ht_ref) + 1e-5
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("ctas", [1, 2])
+@pytest.mark.parametrize("layout,state_dtype,lower_bound",
+                         [(False, torch.float32, -5.0), (True, torch.bfloat16, -0.5)])  # fmt: skip
+def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, ctas, layout, state_dtype,
+                                                          lower_bound):  # fmt: skip
+    """KDA_CUDA_WGMMA_STEP=next (recurrence.cu recurrence_wgmma's NEXT: the same MMAs on the same
+    words) gives the current step's outputs and final state bit for bit, every output written and
+    nothing else, on sequences of 0, 1, 5, 6, 7, 12, 13 and 76 chunks (the one-CTA candidate runs
+    its loop unrolled over six stages: each count of a last round's chunks), partial last chunks
+    among them; and with v taken as zeros (chunk_forward_runs' v_zero), where its mask counts
+    tokens from the flag. Its entry point is the one launched."""
+    from kda.cuda.forward import chunk_forward_runs
+
+    case = cuda_case([0, 1, 80, 96, 100, 192, 200, 1201], 2, layout, "lower_bound", False, True, seed=46 + ctas)
+    case.initial_state = case.initial_state.to(state_dtype)
+    kw = case.kwargs(final_state_dtype=state_dtype, lower_bound=lower_bound)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
+    q, k, v, g, beta = case.tensors()
+    zero_v = checked_problem(kda.chunk_kda, q, k, torch.zeros_like(v), g, beta, **kw)
+    zero_v.v = v  # read as zeros (v_zero): v is only a template
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", f"wgmma{ctas}")
+    launched = spy_launches(monkeypatch)
+    results = {}
+    for step in abi.WGMMA_STEPS:
+        monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
+        with kda.record_dispatch() as events:
+            results[step] = (*run_poisoned(p, layout, state_dtype, f"{step}: "),
+                             *chunk_forward_runs([zero_v], v_zero=[True])[0])  # fmt: skip
+        assert ("cuda:recurrence:wgmma-next" in events) == (step == "next"), events
+    k2 = [name for name in launched if name.startswith("kda_recurrence")]
+    assert k2 == [abi.wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k2
+    for name, current, candidate in zip(("o", "state", "o (v zero)", "state (v zero)"), *results.values(), strict=True):
+        assert torch.equal(candidate, current), name
+    o_ref, ht_ref = fp64_reference(case, lower_bound=lower_bound)
+    assert_close_fp64(results["next"][0], o_ref, 5e-3, "o")
+    assert_close_fp64(results["next"][1], ht_ref, 5e-3, "state")
 
 
 @pytest.mark.gpu

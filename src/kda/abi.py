@@ -233,8 +233,15 @@ WGMMA_STAGES = {1: 6, 2: 4}  # CTAs an SM -> stages (at three, a step waited ~19
 WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 
 
-def wgmma_kernel_name(ctas_per_sm: int) -> str:
-    return f"kda_recurrence_wgmma_c{ctas_per_sm}"
+# The wgmma K2's step: "current", what calls run; "next", the candidate built beside it for A/B
+# runs (recurrence.cu recurrence_wgmma's NEXT, entry points ..._next; 2026-12-05: the same MMAs
+# on the same words, fewer instructions a step; not yet timed on a GPU). KDA_CUDA_WGMMA_STEP
+# picks one (kda.cuda.read_switches).
+WGMMA_STEPS = {"current": "", "next": "_next"}  # step -> entry point suffix
+
+
+def wgmma_kernel_name(ctas_per_sm: int, step: str = "current") -> str:
+    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step]}"
 
 
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:

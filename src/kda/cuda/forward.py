@@ -68,6 +68,15 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     return RECURRENCE_OVERRIDES[override]
 
 
+def wgmma_step() -> str:
+    """The wgmma K2's step (``abi.WGMMA_STEPS``) that ``KDA_CUDA_WGMMA_STEP`` names: "current"
+    unless set; "next" runs the candidate entry points (their bits are the current ones')."""
+    step = switches.WGMMA_STEP
+    if step not in abi.WGMMA_STEPS:
+        raise ValueError(f"KDA_CUDA_WGMMA_STEP must be one of {', '.join(abi.WGMMA_STEPS)}, got {step!r}")
+    return step
+
+
 def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = False) -> int:
     """CTAs an SM of the wgmma K2 for ``p`` (1 or 2), or 0 for the mma.sync K2
     (:func:`recurrence_width`). The wgmma K2 writes no training checkpoints and reads K1's tiles
@@ -557,7 +566,8 @@ def _launch(
     if wgmma_ctas is None:
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
-        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
+        step = wgmma_step()
+        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas, step]
         grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS
     else:
         warps, ksplit = recurrence_width(N * H, sms)
@@ -576,4 +586,6 @@ def _launch(
         note("cuda:recurrence")
         if wgmma_ctas:
             note(f"cuda:recurrence:wgmma{wgmma_ctas}")
+            if step != "current":
+                note(f"cuda:recurrence:wgmma-{step}")
             log_once(f"chunk_kda: K2 on wgmma, {wgmma_ctas} CTA(s) an SM ({name})")

@@ -70,6 +70,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
 }
 
+// CuTe's SM90_U16x8_STSM_T with a "memory" clobber: its asm names no memory operand, so the
+// compiler could otherwise move the plain loads that read the stored tile back above it.
+__device__ __forceinline__ void stmatrix_x4_trans(void* smem, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   cute::cast_smem_ptr_to_uint(smem)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // 2^x and x / y in one or two SFU instructions (relative error ~2^-22; subnormal results
 // flush to zero, far below anything a bf16 output can show).
 __device__ __forceinline__ float exp2_approx(float x) {

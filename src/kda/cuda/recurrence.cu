@@ -995,9 +995,24 @@ __device__ __forceinline__ void fence_operands(float (&r)[ROWS][COLS]) {
 
 static_assert(kWgmmaStageBytes >= Stage<4>::kBytes && kWgmmaStageBytes % 1024 == 0, "a stage, 1024-byte aligned");
 static_assert(kWgmmaTilesKr + kChunk * kHeadDim * 2 == WorkspaceLayout::inverse_beta_hi, "the tiles fill K1's three");
+static_assert(WorkspaceLayout::inverse_beta_hi % 16 == 0 && WorkspaceLayout::inverse_beta_lo % 16 == 0 &&
+                  WorkspaceLayout::M % 16 == 0,
+              "ldmatrix rows are 16-byte aligned");
 
-// CTAS: CTAs an SM (abi.WGMMA_STAGES: the pipeline's stages for that many).
-template <int CTAS>
+// CTAS: CTAs an SM (abi.WGMMA_STAGES: the pipeline's stages for that many). NEXT: the candidate
+// step (abi.WGMMA_NEXT; the entry points kda_recurrence_wgmma_c<CTAS>_next), which computes the
+// same MMAs in the same order from the same words, so it gives the same bits:
+//   - inverse_beta (hi, lo) and M read as the mma.sync right operands by one ldmatrix.x4 each
+//     (three shared loads a step for twelve 32-bit ones),
+//   - the output tile written by one stmatrix.trans (for eight 16-bit stores and their
+//     conversions),
+//   - a lane's output row stored from a pointer advanced a chunk a step (for a 64-bit row
+//     address recomputed every step),
+//   - at one CTA an SM, the loop unrolled over the pipeline's stages, so that every stage's
+//     shared-memory addresses and barriers are immediates (at two, 168 registers a thread leave
+//     no room for it: it spilled; 2026-12-04, benchmarks/NOTES.md).
+// Static SASS count (cuobjdump, nvcc 13.0, 2026-12-05) in benchmarks/NOTES.md; not yet timed.
+template <int CTAS, bool NEXT = false>
 __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   constexpr int kWgmmaStages = wgmma_stages(CTAS);
   static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
@@ -1036,18 +1051,43 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   // i + 1, in the shadow of its wgmmas.
   __nv_bfloat16* out_tiles =
       reinterpret_cast<__nv_bfloat16*>(smem + kWgmmaStages * kWgmmaStageBytes + warp * 2 * Stage<4>::kOutBytes);
+  // NEXT: lane l's output row (token l / 2 of the chunk, v columns 8 (l % 2) ..) as a pointer
+  // advanced a chunk a store, and the tokens left from it. 32 bits hold a sequence's tokens: one
+  // of 2^31 would need 512 GB of v at one head.
+  __nv_bfloat16* o_row = p.o + ((bos + lane.l / 2) * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2);
+  const int64_t o_chunk_step = int64_t{kChunk} * p.heads * kHeadDim;
+  int o_rows_left = static_cast<int>(eos - bos) - lane.l / 2;
   const auto store_output = [&](int64_t c) {  // chunk c's tile to o (the warp's 16 columns)
     __syncwarp();
-    const int64_t tok = bos + c * kChunk + lane.l / 2;
-    if (tok < eos)
-      *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
-          reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16))[lane.l];
+    const uint4* tile = reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16));
+    if constexpr (NEXT) {  // called for c = 0, 1, 2, ... in order
+      if (o_rows_left > 0) *reinterpret_cast<uint4*>(o_row) = tile[lane.l];
+      o_row += o_chunk_step;
+      o_rows_left -= kChunk;
+    } else {
+      const int64_t tok = bos + c * kChunk + lane.l / 2;
+      if (tok < eos)
+        *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
+            reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16))[lane.l];
+    }
     __syncwarp();
   };
+  // NEXT: the byte offset of the row that lane l addresses in an ldmatrix.x4 or stmatrix.x4 of a
+  // [16, 16] 16-bit tile stored row-major (32 B a row): matrix m = l / 8 is rows 8 (m / 2) ..
+  // + 7, columns 8 (m % 2) .. + 7. Over the [n, k] right-operand tiles (inverse_beta, M) it
+  // gives register 2 nt + j = the b_j of n-tile nt (k 8 j + 2 t, + 1 of row n = 8 nt + g), the
+  // words the 32-bit loads read; over the [token, v] output tile, stmatrix.trans takes register
+  // 2 nt + j as O^T's n-tile nt, rows (v) 8 j ..: the elements the 16-bit stores wrote.
+  const int quad_offset = ((lane.l / 16) * 8 + lane.l % 8) * 32 + ((lane.l / 8) % 2) * 16;
 
-  for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
-    pipe.wait_full();
-    const unsigned char* st = smem + pipe.stage * kWgmmaStageBytes;
+  // NEXT: the v tokens from chunk 0 on, in 32 bits (as o_rows_left): the partial-chunk mask's count.
+  const int v_tokens = (p.flags & kVZero) ? 0 : static_cast<int>(eos - bos);
+
+  // One chunk's step from stage ``stage`` (its full barrier in phase ``parity``); i: int64_t, or
+  // int in the NEXT kernels (a sequence's chunks, as its tokens, fit in 31 bits).
+  const auto step = [&](auto i, int stage, int parity) {
+    mbarrier_wait(full[stage], parity);
+    const unsigned char* st = smem + stage * kWgmmaStageBytes;
     const uint32_t st_address = cute::cast_smem_ptr_to_uint(st);
     const uint32_t* ib_hi = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_hi);
     const uint32_t* ib_lo = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_lo);
@@ -1077,12 +1117,26 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // While the chain's wgmmas run: V^T inverse_beta^T (mma.sync), the previous chunk's output to o.
     float VB[2][4] = {};
     uint32_t aV[4];
-    const int64_t v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
+    int64_t v_rows;
+    if constexpr (NEXT)
+      v_rows = v_tokens - i * kChunk;
+    else
+      v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
     token_tile_operand(aV, st + kWorkspaceBytes, Stage<4>::kVRowStride, warp * 16, lane, v_rows);
-    for (int nt = 0; nt < 2; ++nt) {
-      const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
-      mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
-      mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
+    if constexpr (NEXT) {
+      uint32_t b_hi[4], b_lo[4];
+      ldmatrix_x4(b_hi, st + WS::inverse_beta_hi + quad_offset);
+      ldmatrix_x4(b_lo, st + WS::inverse_beta_lo + quad_offset);
+      for (int nt = 0; nt < 2; ++nt) {
+        mma_bf16(VB[nt], aV, b_hi[2 * nt], b_hi[2 * nt + 1]);
+        mma_bf16(VB[nt], aV, b_lo[2 * nt], b_lo[2 * nt + 1]);
+      }
+    } else {
+      for (int nt = 0; nt < 2; ++nt) {
+        const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+        mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
+        mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
+      }
     }
     if (i > 0) store_output(i - 1);
     cute::warpgroup_wait<0>();
@@ -1097,10 +1151,16 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // O^T = S^T q_decayed^T + U^T M^T, before the update's wgmma reads aU (an HMMA reading
     // registers that an issued wgmma reads waited for it: 128 cycles a step, run 108).
     float O[2][4];
+    uint32_t b_m[4];
+    if constexpr (NEXT) ldmatrix_x4(b_m, st + WS::M + quad_offset);
     for (int nt = 0; nt < 2; ++nt) {
       for (int e = 0; e < 4; ++e) O[nt][e] = PO[2 + nt][e];
-      const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
-      mma_bf16(O[nt], aU, M[row], M[row + 4]);
+      if constexpr (NEXT) {
+        mma_bf16(O[nt], aU, b_m[2 * nt], b_m[2 * nt + 1]);
+      } else {
+        const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
+        mma_bf16(O[nt], aU, M[row], M[row + 4]);
+      }
     }
 
     // S^T += U^T k_restored: one m64n128k16 (k_restored MN-major: N halves 2048 B apart, token
@@ -1110,12 +1170,33 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     wgmma_64x128(St, aU, gmma_desc(st_address + kWgmmaTilesKr, 2048, 1024));
     cute::warpgroup_commit_batch();
     __nv_bfloat16* out_tile = out_tiles + (i & 1) * (kChunk * 16);
-    for (int nt = 0; nt < 2; ++nt)
-      for (int e = 0; e < 4; ++e)
-        out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
+    if constexpr (NEXT) {
+      stmatrix_x4_trans(reinterpret_cast<unsigned char*>(out_tile) + quad_offset, pack_bf16(O[0][0], O[0][1]),
+                        pack_bf16(O[0][2], O[0][3]), pack_bf16(O[1][0], O[1][1]), pack_bf16(O[1][2], O[1][3]));
+    } else {
+      for (int nt = 0; nt < 2; ++nt)
+        for (int e = 0; e < 4; ++e)
+          out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
+    }
     cute::warpgroup_wait<0>();
     fence_operands(St);
-    pipe.release(lane);
+    mbarrier_arrive(empty[stage]);  // every lane releases (pipe.release, kLaneRelease)
+  };
+  static_assert(decltype(pipe)::kLaneRelease, "the step releases its stage from every lane");
+
+  if constexpr (NEXT && CTAS == 1) {
+    // Unrolled over the stages: stage s of round r holds chunk r S + s, its full barrier in phase r % 2.
+    int parity = 0;
+    const int chunks = static_cast<int>(num_chunks);
+    for (int i0 = 0; i0 < chunks; i0 += kWgmmaStages, parity ^= 1) {
+#pragma unroll
+      for (int s = 0; s < kWgmmaStages; ++s)
+        if (i0 + s < chunks) step(i0 + s, s, parity);
+    }
+  } else if constexpr (NEXT) {
+    for (int i = 0; i < static_cast<int>(num_chunks); ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
+  } else {
+    for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
   }
   if (num_chunks > 0) store_output(num_chunks - 1);
 
@@ -1142,6 +1223,13 @@ extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wg
 }
 extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2(const Params p) {
   recurrence_wgmma<2>(p);
+}
+// The candidate step (recurrence_wgmma's NEXT; abi.WGMMA_NEXT), for A/B runs beside the two above.
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wgmma_c1_next(const Params p) {
+  recurrence_wgmma<1, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2_next(const Params p) {
+  recurrence_wgmma<2, true>(p);
 }
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
