@@ -203,15 +203,18 @@ ab_rounds() {
 if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
 fi
-if [[ $step == *widthab* ]]; then  # K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds: WIDTH_AB="DIR:WIDTH ..."
+# K2 widths (KDA_CUDA_WARPS; auto: the rule), wgmma steps (KDA_CUDA_WGMMA_STEP; current when left out)
+# and builds: WIDTH_AB="DIR:WIDTH[:STEP] ...", e.g. ".kernels:auto .kernels:auto:next".
+if [[ $step == *widthab* ]]; then
   for round in $(seq ${WIDTH_AB_ROUNDS:-1}); do
     for run in ${WIDTH_AB:-.kernels:auto .kernels:2k2 .kernels:1k2}; do
-      dir=${run%%:*} width=${run##*:}
+      IFS=: read -r dir width wgmma_step <<< "$run"
       if [[ $width == auto ]]; then unset KDA_CUDA_WARPS; else export KDA_CUDA_WARPS=$width; fi
+      export KDA_CUDA_WGMMA_STEP=${wgmma_step:-current}
       KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$run" >> "$OUT/width-ab.jsonl" 2>> "$OUT/width-ab.log"
     done
   done
-  unset KDA_CUDA_WARPS
+  unset KDA_CUDA_WARPS KDA_CUDA_WGMMA_STEP
   python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl" | tee "$OUT/width-ab-summary.log"
 fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"
