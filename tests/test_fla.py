@@ -164,6 +164,65 @@ def test_decode_in_place_final_state_pools_and_refusals(fla_kda):
         assert not accepted and says in why, why
 
 
+def spy_offset_checks(monkeypatch) -> list[bool]:
+    """For each check of a given ``cu_seqlens`` from here on: whether it came without a host copy
+    (on a GPU, a copy to the host: a sync)."""
+    from kda import validation
+
+    seen = []
+    check = validation._check_cu_seqlens
+
+    def spy(cu_seqlens, cu_seqlens_cpu, *args):
+        if cu_seqlens is not None:
+            seen.append(cu_seqlens_cpu is None)
+        return check(cu_seqlens, cu_seqlens_cpu, *args)
+
+    monkeypatch.setattr(validation, "_check_cu_seqlens", spy)
+    return seen
+
+
+@pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
+def test_a_varlen_call_through_fla_copies_cu_seqlens_to_the_host_once(fla_kda, monkeypatch, entry, offsets_dtype):
+    """fla runs kda's verifier, which checks the call (copying a GPU ``cu_seqlens`` to the host),
+    then kda's call: the call takes the verifier's host copy, so the offsets are copied once a
+    call, not twice (a review, 2026-12-04); the results are kda's own call's."""
+    case = make_case(seq_lens=[3, 1, 4], H=1, K=16, V=16, seed=47)
+    kw = case.kwargs(cu_seqlens=case.cu_seqlens.to(offsets_dtype))
+    if entry == "fused_recurrent_kda":
+        kw.pop("safe_gate", None)
+    seen = spy_offset_checks(monkeypatch)
+    got = getattr(fla_kda, entry)(*case.tensors(), **kw)
+    assert seen == [True, False], seen  # the verifier's check copied, the call's did not
+    want = getattr(kda, entry)(*case.tensors(), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_verifiers_host_copy_serves_only_that_tensor_unchanged(fla_kda, monkeypatch):
+    """The host copy the decode verifier leaves is taken by a call on the same ``cu_seqlens``
+    tensor, unchanged since, once: another tensor of the same values, the same one written in
+    place, or a second call each check their own offsets."""
+    from fla import backends
+
+    backend = backends._get_operation_registry("kda")._backends["kda"]
+    case = make_case(seq_lens=[2, 3], H=1, K=16, V=16, seed=48)
+    args = (case.q, case.k, case.v, case.g, case.beta)
+    cu = case.cu_seqlens
+    seen = spy_offset_checks(monkeypatch)
+    for call_cu, touch in ((cu, None), (cu.clone(), None), (cu, lambda: cu.add_(0)), (cu, "twice")):
+        seen.clear()
+        assert backend.verify("fused_recurrent_kda_fwd", *args, cu_seqlens=cu, inplace_final_state=False) == (
+            True,
+            None,
+        )
+        if callable(touch):
+            touch()
+        for _ in range(2 if touch == "twice" else 1):
+            backend.fused_recurrent_kda_fwd(*args, cu_seqlens=call_cu, inplace_final_state=False)
+        handed = call_cu is cu and not callable(touch)
+        assert seen == [True, not handed] + ([True] if touch == "twice" else []), (touch, seen)
+
+
 @pytest.mark.gpu
 @cuda_ready
 def test_gpu_fla_chunk_kda_runs_the_cuda_kernels(fla_kda, caplog):

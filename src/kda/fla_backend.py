@@ -40,12 +40,34 @@ ENV_VAR = "FLA_KDA"
 PRIORITY = 2  # fla: lower runs first; FlashKDA's backend is 3
 _registered = False
 _lock = threading.Lock()
+# fla runs a backend's verifier, then at once its implementation on the same arguments. The
+# verifier checks the call as kda would, which copies a GPU `cu_seqlens` to the host (a sync);
+# it leaves that copy here, per thread, for the implementation, so that a varlen call through fla
+# syncs once, as a kda call without `cu_seqlens_cpu` does, not twice (a review, 2026-12-04).
+_handoff = threading.local()
+
+
+def _keep_host_offsets(cu_seqlens, problem) -> None:
+    """Keep ``problem``'s host copy of ``cu_seqlens`` (the tensor the call was given, which the
+    check may have converted) for the implementation's call."""
+    host = problem.cu_seqlens_cpu
+    _handoff.kept = None if cu_seqlens is None or host is None else (cu_seqlens, cu_seqlens._version, host)
+
+
+def _host_offsets(cu_seqlens) -> object:
+    """The host copy the verifier kept, if it was of this very ``cu_seqlens`` tensor, unchanged
+    since (its version counter), else None; either way it is used once."""
+    kept, _handoff.kept = getattr(_handoff, "kept", None), None
+    if kept is None or kept[0] is not cu_seqlens or cu_seqlens._version != kept[1]:
+        return None
+    return kept[2]
 
 
 def _chunk_refusal(args: tuple, kwargs: dict) -> str | None:
     """Why kda does not take ``fla.ops.kda.chunk_kda(*args, **kwargs)``, or None."""
     from kda import api, dispatch
 
+    _handoff.kept = None
     ctx = kwargs.get("cp_context")
     if ctx is not None:  # kda takes fla's contiguous layout (kda.context_parallel.from_fla_cp_context)
         layout = getattr(ctx, "layout", None)
@@ -60,6 +82,8 @@ def _chunk_refusal(args: tuple, kwargs: dict) -> str | None:
     chosen = _auto_choice(problem, dispatch)
     if chosen == "torch" and problem.q.is_cuda:
         return f"kda would run its torch reference here ({problem.describe()}); fla's kernels are faster"
+    if ctx is None:
+        _keep_host_offsets(kwargs.get("cu_seqlens"), problem)
     return None
 
 
@@ -76,6 +100,7 @@ def _decode_refusal(call: dict) -> str | None:
     """Why kda does not take fla's ``fused_recurrent_kda_fwd`` call (its arguments by name)."""
     from kda import api, dispatch
 
+    _handoff.kept = None
     if call.get("out") is not None:
         return "`out` is not supported by kda"
     if not call["inplace_final_state"] and (
@@ -91,6 +116,7 @@ def _decode_refusal(call: dict) -> str | None:
         return f"kda cannot take the call: {err}"
     if problem.q.is_cuda and _auto_choice(problem, dispatch) == "torch":
         return f"kda would run its torch reference here ({problem.describe()}); fla's kernel is faster"
+    _keep_host_offsets(call["cu_seqlens"], problem)
     return None
 
 
@@ -130,6 +156,10 @@ def _make_backends():
         def chunk_kda(self, *args, **kwargs):
             import kda
 
+            # (cu_seqlens by keyword, as fla's layers pass it; given positionally, the call copies it again)
+            host = _host_offsets(kwargs.get("cu_seqlens"))
+            if host is not None and kwargs.get("cu_seqlens_cpu") is None:
+                kwargs = {**kwargs, "cu_seqlens_cpu": host}
             return kda.chunk_kda(*args, **kwargs)  # a contiguous cp_context included
 
     class KDADecodeBackend(BaseBackend):
@@ -154,17 +184,18 @@ def _make_backends():
         ):  # fmt: skip
             import kda
 
+            host = _host_offsets(cu_seqlens)
             if inplace_final_state:  # fla's contract: the pool in initial_state is updated in place
                 return kda.fused_recurrent_kda(
                     q, k, v, g, beta, A_log, dt_bias, scale, initial_state, False, use_qk_l2norm_in_kernel,
                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                    cu_seqlens, inplace_final_state=True, ssm_state_indices=ssm_state_indices,
+                    cu_seqlens, cu_seqlens_cpu=host, inplace_final_state=True, ssm_state_indices=ssm_state_indices,
                     num_accepted_tokens=num_accepted_tokens,
                 )  # fmt: skip
             return kda.fused_recurrent_kda(
                 q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                cu_seqlens,
+                cu_seqlens, cu_seqlens_cpu=host,
             )  # fmt: skip
 
     return KDAChunkBackend, KDADecodeBackend
