@@ -57,6 +57,8 @@ REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     # night, past what two CTAs fit)
                     **{abi.wgmma_kernel_name(1, step): 255 for step in abi.WGMMA_STEPS},
                     **{abi.wgmma_kernel_name(2, step): 168 for step in abi.WGMMA_STEPS},
+                    # with no producer warp, two CTAs are eight warps, two a sub-partition: 255
+                    abi.wgmma_kernel_name(2, "inline"): 255,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -579,12 +581,13 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
                          [(False, torch.float32, -5.0), (True, torch.bfloat16, -0.5)])  # fmt: skip
 def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, ctas, layout, state_dtype,
                                                           lower_bound):  # fmt: skip
-    """KDA_CUDA_WGMMA_STEP=next (recurrence.cu recurrence_wgmma's NEXT: the same MMAs on the same
-    words) gives the current step's outputs and final state bit for bit, every output written and
-    nothing else, on sequences of 0, 1, 5, 6, 7, 12, 13 and 76 chunks (the one-CTA candidate runs
-    its loop unrolled over six stages: each count of a last round's chunks), partial last chunks
-    among them; and with v taken as zeros (chunk_forward_runs' v_zero), where its mask counts
-    tokens from the flag. Its entry point is the one launched."""
+    """KDA_CUDA_WGMMA_STEP=next and =inline (recurrence.cu recurrence_wgmma's NEXT and INLINE: the
+    same MMAs on the same words) give the current step's outputs and final state bit for bit,
+    every output written and nothing else, on sequences of 0, 1, 5, 6, 7, 12, 13 and 76 chunks (the
+    candidates' loops unrolled over six or four stages: each count of a last round's chunks, and
+    the inline form's first fills of fewer chunks than stages), partial last chunks among them;
+    and with v taken as zeros (chunk_forward_runs' v_zero), where their masks and the inline
+    form's v copies count tokens from the flag. Their entry points are the ones launched."""
     from kda.cuda.forward import chunk_forward_runs
 
     case = cuda_case([0, 1, 80, 96, 100, 192, 200, 1201], 2, layout, "lower_bound", False, True, seed=46 + ctas)
@@ -602,14 +605,18 @@ def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, 
         with kda.record_dispatch() as events:
             results[step] = (*run_poisoned(p, layout, state_dtype, f"{step}: "),
                              *chunk_forward_runs([zero_v], v_zero=[True])[0])  # fmt: skip
-        assert ("cuda:recurrence:wgmma-next" in events) == (step == "next"), events
+        assert [e for e in events if e.startswith("cuda:recurrence:wgmma-")] == (
+            [f"cuda:recurrence:wgmma-{step}"] * 2 if step != "current" else []
+        ), events
     k2 = [name for name in launched if name.startswith("kda_recurrence")]
     assert k2 == [abi.wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k2
-    for name, current, candidate in zip(("o", "state", "o (v zero)", "state (v zero)"), *results.values(), strict=True):
-        assert torch.equal(candidate, current), name
+    for step, got in results.items():
+        for name, current, candidate in zip(("o", "state", "o (v zero)", "state (v zero)"), results["current"], got,
+                                            strict=True):  # fmt: skip
+            assert torch.equal(candidate, current), f"{step}: {name}"
     o_ref, ht_ref = fp64_reference(case, lower_bound=lower_bound)
-    assert_close_fp64(results["next"][0], o_ref, 5e-3, "o")
-    assert_close_fp64(results["next"][1], ht_ref, 5e-3, "state")
+    assert_close_fp64(results["current"][0], o_ref, 5e-3, "o")
+    assert_close_fp64(results["current"][1], ht_ref, 5e-3, "state")
 
 
 @pytest.mark.gpu

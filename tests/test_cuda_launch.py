@@ -232,27 +232,28 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
 
 @pytest.mark.parametrize("ctas", [1, 2])
 def test_wgmma_step_switch_launches_the_candidate_and_says_so(load_kernels, monkeypatch, ctas):
-    """KDA_CUDA_WGMMA_STEP (abi.WGMMA_STEPS): "next" launches the candidate entry point of the
-    same kind, with the same grid, threads and shared memory, and the dispatch log says so;
-    unset ("current") the current one; any other value is refused, naming the setting. The mma.sync
-    K2 ignores it."""
+    """KDA_CUDA_WGMMA_STEP (abi.WGMMA_STEPS): "next" and "inline" launch the candidate entry
+    points of the same kind, with the same grid and shared memory (inline: 128 threads, no
+    producer warp), and the dispatch log says so; "current" the current one; any other value is
+    refused, naming the setting. The mma.sync K2 ignores it."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     case = make_case(seq_lens=[20], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", f"wgmma{ctas}")
-    for step, note in (("current", []), ("next", ["cuda:recurrence:wgmma-next"])):
+    for step, note, threads in (("current", [], 160), ("next", ["cuda:recurrence:wgmma-next"], 160),
+                                ("inline", ["cuda:recurrence:wgmma-inline"], 128)):  # fmt: skip
         monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
         libcuda.calls.clear()
         with kda.record_dispatch() as events:
             forward.chunk_forward(p)
         (k1_args, _), (k2_args, _) = libcuda.calls
         assert names[k2_args[0]] == abi.wgmma_kernel_name(ctas, step)
-        assert k2_args[1:8] == (4, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(ctas))
+        assert k2_args[1:8] == (4, 1, 1, threads, 1, 1, abi.wgmma_shared_bytes(ctas))
         assert events == ["cuda:prepare", "cuda:recurrence", f"cuda:recurrence:wgmma{ctas}", *note], events
     monkeypatch.setattr(kda.cuda, "WGMMA_STEP", "nxt")
-    with pytest.raises(ValueError, match="KDA_CUDA_WGMMA_STEP must be one of current, next, got 'nxt'"):
+    with pytest.raises(ValueError, match="KDA_CUDA_WGMMA_STEP must be one of current, next, inline, got 'nxt'"):
         forward.chunk_forward(p)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", "mma")
     libcuda.calls.clear()

@@ -237,7 +237,14 @@ WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 # runs (recurrence.cu recurrence_wgmma's NEXT, entry points ..._next; 2026-12-05: the same MMAs
 # on the same words, fewer instructions a step; not yet timed on a GPU). KDA_CUDA_WGMMA_STEP
 # picks one (kda.cuda.read_switches).
-WGMMA_STEPS = {"current": "", "next": "_next"}  # step -> entry point suffix
+# "inline": the candidate step without the producer warp (128 threads, WGMMA_INLINE_THREADS).
+WGMMA_STEPS = {"current": "", "next": "_next", "inline": "_inline"}  # step -> entry point suffix
+WGMMA_INLINE_THREADS = 128
+
+
+def wgmma_threads(step: str = "current") -> int:
+    """Threads of a wgmma K2 CTA for ``step``: four consumer warps, and a producer warp unless inline."""
+    return WGMMA_INLINE_THREADS if step == "inline" else WGMMA_THREADS
 
 
 def wgmma_kernel_name(ctas_per_sm: int, step: str = "current") -> str:
@@ -342,6 +349,7 @@ def header() -> str:
         f"constexpr int kProductsSharedBytes = {products_shared_bytes()};",
         "",
         f"constexpr int kWgmmaThreads = {WGMMA_THREADS};",
+        f"constexpr int kWgmmaInlineThreads = {WGMMA_INLINE_THREADS};",
         f"constexpr int kWgmmaStageBytes = {WGMMA_STAGE_BYTES};",
         *(f"constexpr int kWgmmaTiles{name.capitalize()} = {offset};" for name, (offset, _) in WGMMA_TILES.items()),
         "constexpr int wgmma_stages(int ctas_per_sm) {",

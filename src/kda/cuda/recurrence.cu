@@ -1011,9 +1011,20 @@ static_assert(WorkspaceLayout::inverse_beta_hi % 16 == 0 && WorkspaceLayout::inv
 //   - at one CTA an SM, the loop unrolled over the pipeline's stages, so that every stage's
 //     shared-memory addresses and barriers are immediates (at two, 168 registers a thread leave
 //     no room for it: it spilled; 2026-12-04, benchmarks/NOTES.md).
-// Static SASS count (cuobjdump, nvcc 13.0, 2026-12-05) in benchmarks/NOTES.md; not yet timed.
-template <int CTAS, bool NEXT = false>
+// INLINE (with NEXT; abi.WGMMA_STEPS "inline", entry points ..._inline): no producer warp, 128
+// threads. Registers are allocated per SM sub-partition (16384 each): two CTAs of five warps put
+// three warps on some sub-partition, which caps a thread at 168 registers, too few to unroll the
+// loop; two CTAs of four warps leave 255, so the two-CTA loop is unrolled too, and no producer
+// warp takes issue slots. Each warp refills its own 16 v columns of a stage (the only ones it
+// reads) once it has read them, and the warps take turns (stage % 4) at waiting for a stage's
+// release and issuing its workspace block's bulk copy; the full barrier counts the 128 lanes'
+// cp.async arrivals and that copy's.
+// Static SASS counts (cuobjdump, nvcc 13.0, 2026-12-05) in benchmarks/NOTES.md; not yet timed.
+template <int CTAS, bool NEXT = false, bool INLINE = false>
 __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
+  static_assert(NEXT || !INLINE, "the inline form is built on the candidate step");
+  constexpr int kThreadsHere = INLINE ? kWgmmaInlineThreads : kWgmmaThreads;
+  static_assert(kThreadsHere == 32 * (INLINE ? 4 : 5), "four consumer warps, and a producer warp unless INLINE");
   constexpr int kWgmmaStages = wgmma_stages(CTAS);
   static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
                 "abi.wgmma_shared_bytes lays out this kernel's shared memory");
@@ -1036,16 +1047,20 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   if (warp < 4) load_state(St, p, state_offset, lane, state_base);
 
   __shared__ uint64_t full[kWgmmaStages], empty[kWgmmaStages];
-  Pipeline<4, kWgmmaStages, true, 33, 4> pipe(full, empty);
-  if (warp == 4) {
-    for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
-      if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
-      load_stage<4>(smem + pipe.stage * kWgmmaStageBytes, pipe.full[pipe.stage],
-                    p.workspace + ((cs.c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, cs.rows(i),
-                    h, cs.v0);
+  // A stage's fill: the producer's 32 cp.async arrivals and its expect-tx one, or (INLINE) the
+  // 128 consumer lanes' and the workspace copy's.
+  Pipeline<4, kWgmmaStages, true, INLINE ? 4 * 32 + 1 : 33, 4> pipe(full, empty);
+  if constexpr (!INLINE) {
+    if (warp == 4) {
+      for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
+        if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
+        load_stage<4>(smem + pipe.stage * kWgmmaStageBytes, pipe.full[pipe.stage],
+                      p.workspace + ((cs.c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk,
+                      cs.rows(i), h, cs.v0);
+      }
+      cute::cp_async_wait<0>();
+      return;
     }
-    cute::cp_async_wait<0>();
-    return;
   }
   // Two output tiles a warp: chunk i's is written at its step's end and stored to o during step
   // i + 1, in the shadow of its wgmmas.
@@ -1082,6 +1097,38 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
 
   // NEXT: the v tokens from chunk 0 on, in 32 bits (as o_rows_left): the partial-chunk mask's count.
   const int v_tokens = (p.flags & kVZero) ? 0 : static_cast<int>(eos - bos);
+  const int chunks = static_cast<int>(num_chunks);
+
+  // INLINE: the stages are filled chunk by chunk in order, from sources that step a chunk a fill.
+  // fill_v: this warp's 16 v columns of the next chunk into stage s, lane l 16 bytes of row l / 2
+  // (valid rows only: never past v's end; stale rows are masked as the producer's are), then every
+  // lane's arrival once its copy has landed (load_stage's v copy, a warp's share of it).
+  const int fill_row = lane.l / 2, fill_column = warp * 16 + 8 * (lane.l % 2);
+  const __nv_bfloat16* v_fill = p.v + ((bos + fill_row) * p.heads + h) * kHeadDim + cs.v0 + fill_column;
+  int v_fill_rows = v_tokens - fill_row;  // > 0: the row is in the sequence
+  const auto fill_v = [&](int s) {
+    if (v_fill_rows > 0)
+      copy_async_16(smem + s * kWgmmaStageBytes + kWorkspaceBytes + fill_row * Stage<4>::kVRowStride + fill_column * 2,
+                    v_fill, true);
+    cp_async_arrive_noinc(full[s]);
+    v_fill += o_chunk_step;  // o's and v's rows have one stride
+    v_fill_rows -= kChunk;
+  };
+  // ... and, from one lane, the workspace block of chunk c in one bulk copy, whose bytes the
+  // barrier counts.
+  const unsigned char* ws_first = p.workspace + (cs.c_first * p.heads + h) * kWorkspaceBytes;
+  const int64_t ws_chunk_step = p.heads * int64_t{kWorkspaceBytes};
+  const auto fill_workspace = [&](int c, int s) {
+    cute::set_barrier_transaction_bytes(full[s], kWorkspaceBytes);
+    cute::SM90_BULK_COPY_G2S::copy(ws_first + c * ws_chunk_step, &full[s], smem + s * kWgmmaStageBytes,
+                                   kWorkspaceBytes);
+  };
+  if constexpr (INLINE) {  // the first round of stages
+    for (int c = 0; c < min(kWgmmaStages, chunks); ++c) {
+      fill_v(c);
+      if (warp == c % 4 && lane.l == 0) fill_workspace(c, c);
+    }
+  }
 
   // One chunk's step from stage ``stage`` (its full barrier in phase ``parity``); i: int64_t, or
   // int in the NEXT kernels (a sequence's chunks, as its tokens, fit in 31 bits).
@@ -1138,6 +1185,10 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
         mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
       }
     }
+    if constexpr (INLINE) {  // this warp has read its v columns of the stage: chunk i + S's, into it
+      __syncwarp();
+      if (i + kWgmmaStages < chunks) fill_v(stage);
+    }
     if (i > 0) store_output(i - 1);
     cute::warpgroup_wait<0>();
     fence_operands(PO);
@@ -1181,20 +1232,26 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     cute::warpgroup_wait<0>();
     fence_operands(St);
     mbarrier_arrive(empty[stage]);  // every lane releases (pipe.release, kLaneRelease)
+    if constexpr (INLINE) {  // this stage's turn: once every warp has released it, chunk i + S's workspace
+      if (warp == stage % 4 && i + kWgmmaStages < chunks) {
+        mbarrier_wait(empty[stage], parity);
+        if (lane.l == 0) fill_workspace(i + kWgmmaStages, stage);
+        __syncwarp();
+      }
+    }
   };
   static_assert(decltype(pipe)::kLaneRelease, "the step releases its stage from every lane");
 
-  if constexpr (NEXT && CTAS == 1) {
-    // Unrolled over the stages: stage s of round r holds chunk r S + s, its full barrier in phase r % 2.
+  if constexpr (NEXT && (CTAS == 1 || INLINE)) {
+    // Unrolled over the stages: stage s of round r holds chunk r S + s, its barriers in phase r % 2.
     int parity = 0;
-    const int chunks = static_cast<int>(num_chunks);
     for (int i0 = 0; i0 < chunks; i0 += kWgmmaStages, parity ^= 1) {
 #pragma unroll
       for (int s = 0; s < kWgmmaStages; ++s)
         if (i0 + s < chunks) step(i0 + s, s, parity);
     }
   } else if constexpr (NEXT) {
-    for (int i = 0; i < static_cast<int>(num_chunks); ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
+    for (int i = 0; i < chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
   } else {
     for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
   }
@@ -1230,6 +1287,13 @@ extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wg
 }
 extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2_next(const Params p) {
   recurrence_wgmma<2, true>(p);
+}
+// ... and without its producer warp (recurrence_wgmma's INLINE; abi.WGMMA_STEPS "inline").
+extern "C" __global__ void __launch_bounds__(kWgmmaInlineThreads, 1) kda_recurrence_wgmma_c1_inline(const Params p) {
+  recurrence_wgmma<1, true, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(kWgmmaInlineThreads, 2) kda_recurrence_wgmma_c2_inline(const Params p) {
+  recurrence_wgmma<2, true, true>(p);
 }
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
