@@ -1,9 +1,11 @@
 """Models, on the CPU, of what the wgmma K2's candidate steps (recurrence.cu recurrence_wgmma's NEXT
-and INLINE, 2026-12-05) rest on, for want of a GPU to run them: ``python benchmarks/wgmma_step_models.py``.
+and INLINE, and their K1, prepare.cu's kLdsm; 2026-12-05) rest on, for want of a GPU to run them:
+``python benchmarks/wgmma_step_models.py``.
 
 1. The lane maps of NEXT's ldmatrix.x4 (inverse_beta and M as mma.sync right operands) and
-   stmatrix.x4.trans (the output tile) against the current step's 32-bit loads and 16-bit stores:
-   the same words in the same registers, the same elements at the same addresses.
+   stmatrix.x4.trans (the output tile) against the current step's 32-bit loads and 16-bit stores,
+   and of K1's float32 fragments by ldmatrix against its 32-bit loads: the same words in the same
+   registers, the same elements at the same addresses.
 2. INLINE's pipeline: four warps, S stages, mbarriers with phases, pending arrivals and transaction
    bytes, cp.async and bulk copies landing at random later times, random interleavings. No
    deadlock, every read of a stage sees its chunk's data, nothing overwritten while read; and each
@@ -43,6 +45,18 @@ def check_lane_maps() -> None:
                 want = 2 * ((8 * nt + 2 * t + e % 2) * 16 + g + 8 * (e // 2))
                 assert got == want, (lane, m, e2, got, want)
     assert all(quad_offset(lane) % 16 == 0 for lane in range(32)), "ldmatrix rows are 16-byte aligned"
+    # K1's fragments (prepare.cu left_fragment_ldsm, right_fragments_ldsm): float32 tiles read as
+    # 16-bit pairs, so lane t of an 8x8 matrix gets 32-bit word t % 4 of row t // 4 (columns of
+    # floats); lane l gives the address of row l % 8 of matrix l // 8: (row, first column).
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        left = {m: (8 * ((ln // 8) % 2) + ln % 8, 4 * (ln // 16)) for m in range(4) for ln in [8 * m + g]}
+        right = {m: (8 * (ln // 16) + ln % 8, 4 * ((ln // 8) % 2)) for m in range(4) for ln in [8 * m + g]}
+        want_left = [(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)]  # left_fragment's a[0..3]
+        want_right = [(g, t), (g, t + 4), (8 + g, t), (8 + g, t + 4)]  # b[half][j]: row 8 half + g, column t + 4 j
+        for m in range(4):
+            assert (left[m][0], left[m][1] + t) == want_left[m], (lane, m)
+            assert (right[m][0], right[m][1] + t) == want_right[m], (lane, m)
 
 
 class Barrier:

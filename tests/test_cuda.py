@@ -51,7 +51,7 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
-                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80,
+                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80, abi.PREPARE_WGMMA_NEXT_KERNEL: 80,
                     # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (ten warps on
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
@@ -104,7 +104,8 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL,
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL,
+                           abi.PREPARE_WGMMA_NEXT_KERNEL, abi.TABLES_KERNEL,
                            *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills, _) in report.items() if spills} == {}
     # An injected wait turns work meant to overlap the wgmmas into work after them (2026-12-04:
@@ -608,6 +609,8 @@ def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, 
         assert [e for e in events if e.startswith("cuda:recurrence:wgmma-")] == (
             [f"cuda:recurrence:wgmma-{step}"] * 2 if step != "current" else []
         ), events
+    k1 = [name for name in launched if name.startswith("kda_prepare")]
+    assert k1 == [abi.prepare_wgmma_kernel_name(step) for step in abi.WGMMA_STEPS for _ in range(2)], k1
     k2 = [name for name in launched if name.startswith("kda_recurrence")]
     assert k2 == [abi.wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k2
     for step, got in results.items():
@@ -624,7 +627,8 @@ def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, 
 def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
     """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
     read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
-    for bit, on every real chunk."""
+    for bit, on every real chunk; so does the candidate steps' K1 (kda_prepare_wgmma_next, its
+    fragments by ldmatrix), which is the one launched under KDA_CUDA_WGMMA_STEP=next."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
     case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
@@ -632,13 +636,18 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
     tables = chunk_tables(p)
     real = int(tables.chunk_offsets[-1])
     views = {}
-    for route in ("mma", "wgmma1"):
+    launched = spy_launches(monkeypatch)
+    for route, step in (("mma", "current"), ("wgmma1", "current"), ("wgmma1", "next")):
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
+        monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
         ws = torch.full((workspace_bytes(p),), 255, dtype=torch.uint8, device="cuda")
         run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws)
-        views[route] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
-    for name, x in views["mma"].items():
-        assert torch.equal(views["wgmma1"][name][:real], x[:real]), name
+        views[route, step] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
+    k1 = [name for name in launched if name.startswith("kda_prepare")]
+    assert k1 == [abi.PREPARE_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.PREPARE_WGMMA_NEXT_KERNEL], k1
+    for name, x in views["mma", "current"].items():
+        assert torch.equal(views["wgmma1", "current"][name][:real], x[:real]), name
+        assert torch.equal(views["wgmma1", "next"][name][:real], x[:real]), f"next: {name}"
 
 
 @pytest.mark.gpu

@@ -249,6 +249,7 @@ def test_wgmma_step_switch_launches_the_candidate_and_says_so(load_kernels, monk
         with kda.record_dispatch() as events:
             forward.chunk_forward(p)
         (k1_args, _), (k2_args, _) = libcuda.calls
+        assert names[k1_args[0]] == (abi.PREPARE_WGMMA_KERNEL if step == "current" else abi.PREPARE_WGMMA_NEXT_KERNEL)
         assert names[k2_args[0]] == abi.wgmma_kernel_name(ctas, step)
         assert k2_args[1:8] == (4, 1, 1, threads, 1, 1, abi.wgmma_shared_bytes(ctas))
         assert events == ["cuda:prepare", "cuda:recurrence", f"cuda:recurrence:wgmma{ctas}", *note], events

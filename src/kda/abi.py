@@ -247,8 +247,18 @@ def wgmma_threads(step: str = "current") -> int:
     return WGMMA_INLINE_THREADS if step == "inline" else WGMMA_THREADS
 
 
+# The candidate steps' K1: kda_prepare_wgmma with its float32 fragments by ldmatrix (prepare.cu
+# prepare_body's kLdsm), the same workspace bit for bit.
+PREPARE_WGMMA_NEXT_KERNEL = "kda_prepare_wgmma_next"
+
+
 def wgmma_kernel_name(ctas_per_sm: int, step: str = "current") -> str:
     return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step]}"
+
+
+def prepare_wgmma_kernel_name(step: str = "current") -> str:
+    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS)."""
+    return PREPARE_WGMMA_KERNEL if step == "current" else PREPARE_WGMMA_NEXT_KERNEL
 
 
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:

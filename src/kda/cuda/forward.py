@@ -71,7 +71,8 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
 def wgmma_step() -> str:
     """The wgmma K2's step (``abi.WGMMA_STEPS``) that ``KDA_CUDA_WGMMA_STEP`` names: "current"
     unless set; "next" runs the candidate entry points (their bits are the current ones'),
-    "inline" those without a producer warp (the same bits too)."""
+    "inline" those without a producer warp (the same bits too); both with K1's candidate
+    (``abi.prepare_wgmma_kernel_name``: the same workspace)."""
     step = switches.WGMMA_STEP
     if step not in abi.WGMMA_STEPS:
         raise ValueError(f"KDA_CUDA_WGMMA_STEP must be one of {', '.join(abi.WGMMA_STEPS)}, got {step!r}")
@@ -568,7 +569,8 @@ def _launch(
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
         step = wgmma_step()
-        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas, step]
+        prepare_name = abi.prepare_wgmma_kernel_name(step)
+        name, shared_bytes = loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas, step]
         grid, threads = (chain_grid(4, N * H), 1), abi.wgmma_threads(step)
     else:
         warps, ksplit = recurrence_width(N * H, sms)

@@ -244,6 +244,30 @@ __device__ __forceinline__ void left_fragment(float (&a)[4], const float (*X)[ST
   a[3] = X[g + 8][c0 + t + 4];
 }
 
+// The same four words by one ldmatrix.x4 (kda_prepare_wgmma_next, 2026-12-05): 32-bit elements
+// read as pairs of 16-bit ones, so the [8 rows, 4 columns] blocks (rows g / g + 8, columns c0 /
+// c0 + 4) are its four 8x8 matrices, lane l giving row l % 8 of matrix l / 8; lane (g, t) gets
+// word t of row g of each. Rows kPad (132 = 4 mod 32) or kRowPad (20) floats apart: the eight rows
+// of a matrix on eight different bank groups.
+template <int STRIDE>
+__device__ __forceinline__ void left_fragment_ldsm(float (&a)[4], const float (*X)[STRIDE], int c0, int lane) {
+  static_assert(STRIDE % 4 == 0, "ldmatrix rows are 16-byte aligned");
+  uint32_t r[4];
+  ldmatrix_x4(r, &X[8 * ((lane / 8) % 2) + lane % 8][c0 + 4 * (lane / 16)]);
+  for (int e = 0; e < 4; ++e) a[e] = __uint_as_float(r[e]);
+}
+
+// Rows n = 8 half + g, columns c0 + t and c0 + t + 4 of X, for half = 0, 1: the right operands
+// (b0, b1) of two m16n8k8 MMAs over X^T's n-tiles, by one ldmatrix.x4 (as left_fragment_ldsm,
+// matrix m = 2 half + j holding rows 8 half .., columns c0 + 4 j ..).
+template <int STRIDE>
+__device__ __forceinline__ void right_fragments_ldsm(float (&b)[2][2], const float (*X)[STRIDE], int c0, int lane) {
+  static_assert(STRIDE % 4 == 0, "ldmatrix rows are 16-byte aligned");
+  uint32_t r[4];
+  ldmatrix_x4(r, &X[8 * (lane / 16) + lane % 8][c0 + 4 * ((lane / 8) % 2)]);
+  for (int e = 0; e < 4; ++e) b[e / 2][e % 2] = __uint_as_float(r[e]);
+}
+
 // The elementwise stages give each thread two adjacent channels (bf16 pairs load and store as
 // one word) and eight rows: channels 32 warp + 2 (lane % 16) + {0, 1}, rows r0 .. r0 + 7 with
 // r0 = 8 (lane / 16), so that the two halves of a channel pair are lanes 16 apart.
@@ -289,8 +313,9 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
 }
 
 // Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit;
-// kWgmmaTiles: the three tiles in the wgmma K2's layout (abi.WGMMA_TILES), not ldmatrix's.
-template <bool kMayBeFar, bool kWgmmaTiles>
+// kWgmmaTiles: the three tiles in the wgmma K2's layout (abi.WGMMA_TILES), not ldmatrix's;
+// kLdsm: the MMAs' float32 fragments by ldmatrix (left_fragment_ldsm), the same words.
+template <bool kMayBeFar, bool kWgmmaTiles, bool kLdsm = false>
 __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMayBeFar>& s, const PairRows& pr,
                                              const float (&G)[2][8], const float (&G16)[2], unsigned char* ws) {
   using WS = WorkspaceLayout;
@@ -360,12 +385,19 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     Tf32x3Accumulators a_acc[2];
     float m_acc[2][4] = {};
     for (int k0 = c0; k0 < c0 + 32; k0 += 8) {
-      float a[4], qd[4];
-      left_fragment(a, s.kd, k0, g_row, t_col);
-      left_fragment(qd, s.qd, k0, g_row, t_col);
+      float a[4], qd[4], b_halves[2][2];
+      if constexpr (kLdsm) {
+        left_fragment_ldsm(a, s.kd, k0, lane);
+        left_fragment_ldsm(qd, s.qd, k0, lane);
+        right_fragments_ldsm(b_halves, s.ki(), k0, lane);
+      } else {
+        left_fragment(a, s.kd, k0, g_row, t_col);
+        left_fragment(qd, s.qd, k0, g_row, t_col);
+      }
       const uint32_t qd_tf32[4] = {round_tf32(qd[0]), round_tf32(qd[1]), round_tf32(qd[2]), round_tf32(qd[3])};
       for (int half = 0; half < 2; ++half) {
-        const float b[2] = {s.ki()[half * 8 + g_row][k0 + t_col], s.ki()[half * 8 + g_row][k0 + t_col + 4]};
+        const float b[2] = {kLdsm ? b_halves[half][0] : s.ki()[half * 8 + g_row][k0 + t_col],
+                            kLdsm ? b_halves[half][1] : s.ki()[half * 8 + g_row][k0 + t_col + 4]};
         mma_3xtf32(a_acc[half], a, b);
         float(&m)[4] = m_acc[half];
         cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(m[0], m[1], m[2], m[3], qd_tf32[0], qd_tf32[1], qd_tf32[2],
@@ -456,7 +488,12 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
   // 4. w = inverse_beta K~ in 8-channel tiles: warp 0, which solved for inverse_beta, takes
   // tile 0 and warps 1-3 five tiles each.
   float a[2][4];
-  for (int k0 = 0; k0 < kChunk; k0 += 8) left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
+  for (int k0 = 0; k0 < kChunk; k0 += 8) {
+    if constexpr (kLdsm)
+      left_fragment_ldsm(a[k0 / 8], inverse_beta, k0, lane);
+    else
+      left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
+  }
   if (warp == 0)
     w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col);
   else
@@ -593,8 +630,8 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
 }
 
 // The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
-// (abi.prepare_kernel_name, which picks the entry point); kWgmmaTiles: see prepare_body.
-template <bool kMayBeFar, bool kWgmmaTiles = false>
+// (abi.prepare_kernel_name, which picks the entry point); kWgmmaTiles, kLdsm: see prepare_body.
+template <bool kMayBeFar, bool kWgmmaTiles = false, bool kLdsm = false>
 __device__ __forceinline__ void prepare_chunk(const Params& p) {
   __shared__ PrepareShared<kMayBeFar> s;
   const int64_t c = blockIdx.x;
@@ -610,7 +647,7 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   const PairRows pr(threadIdx.x);
   float G[2][8], G16[2];
   load_chunk<kMayBeFar>(p, s, bos, rows, h, pr, G, G16);
-  prepare_body<kMayBeFar, kWgmmaTiles>(p, s, pr, G, G16, ws);
+  prepare_body<kMayBeFar, kWgmmaTiles, kLdsm>(p, s, pr, G, G16, ws);
 }
 
 }  // namespace
@@ -627,6 +664,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const 
 // 120). Only the gates kda_prepare serves take the wgmma K2 (kda.cuda.forward.recurrence_kind).
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(const Params p) {
   prepare_chunk<false, true>(p);
+}
+// The same with its fragments by ldmatrix (prepare_body's kLdsm; the same workspace bit for bit),
+// the K1 of the wgmma K2's candidate steps (abi.prepare_wgmma_kernel_name, KDA_CUDA_WGMMA_STEP).
+extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma_next(const Params p) {
+  prepare_chunk<false, true, true>(p);
 }
 
 }  // namespace kda
