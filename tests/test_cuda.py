@@ -583,15 +583,17 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
 def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, ctas, layout, state_dtype,
                                                           lower_bound):  # fmt: skip
     """KDA_CUDA_WGMMA_STEP=next and =inline (recurrence.cu recurrence_wgmma's NEXT and INLINE: the
-    same MMAs on the same words) give the current step's outputs and final state bit for bit,
-    every output written and nothing else, on sequences of 0, 1, 5, 6, 7, 12, 13 and 76 chunks (the
-    candidates' loops unrolled over six or four stages: each count of a last round's chunks, and
-    the inline form's first fills of fewer chunks than stages), partial last chunks among them;
-    and with v taken as zeros (chunk_forward_runs' v_zero), where their masks and the inline
-    form's v copies count tokens from the flag. Their entry points are the ones launched."""
+    same MMAs on the same words, after K1's candidate) give the current step's outputs and final
+    state bit for bit, every output written and nothing else (poisoned outputs), on sequences of
+    0 to 7, 12, 13 and 76 chunks (the candidates' loops unrolled over six or four stages: every
+    count of a last round's chunks at both, and the inline form's first fills of fewer chunks
+    than stages), partial last chunks among them; and, bit for bit too, with v taken as zeros
+    (chunk_forward_runs' v_zero, into its own buffers), where their masks and the inline form's v
+    copies count tokens from the flag. Their entry points are the ones launched."""
     from kda.cuda.forward import chunk_forward_runs
 
-    case = cuda_case([0, 1, 80, 96, 100, 192, 200, 1201], 2, layout, "lower_bound", False, True, seed=46 + ctas)
+    seq_lens = [0, 1, 20, 40, 64, 80, 96, 100, 192, 200, 1201]  # 0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 76 chunks
+    case = cuda_case(seq_lens, 2, layout, "lower_bound", False, True, seed=46 + ctas)
     case.initial_state = case.initial_state.to(state_dtype)
     kw = case.kwargs(final_state_dtype=state_dtype, lower_bound=lower_bound)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
