@@ -33,7 +33,7 @@ step=${1:-all}
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
 # steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
-# profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case; quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
+# profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
   # The CUDA path from a clean copy: `pip install .` builds the fatbins with nvcc (no network:
@@ -71,7 +71,7 @@ if [[ $step == all || $step == *sanitize* ]]; then
   # --report-api-errors no: cuda-bindings probes driver entry points it may lack through
   # cuGetProcAddress at cuInit (34 host-side INVALID_VALUE results, run 1); kernel errors still count.
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
-    timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 benchmarks/cuda_smoke.py \
+    timeout ${SANITIZER_TIMEOUT:-120} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 ${SANITIZE_SCRIPT:-benchmarks/cuda_smoke.py} \
       > "$OUT/sanitizer-$tool.log" 2>&1; echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
   done
 fi
