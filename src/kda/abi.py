@@ -239,12 +239,14 @@ WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 # picks one (kda.cuda.read_switches).
 # "inline": the candidate step without the producer warp (128 threads, WGMMA_INLINE_THREADS).
 WGMMA_STEPS = {"current": "", "next": "_next", "inline": "_inline"}  # step -> entry point suffix
+WGMMA_DEFAULT_STEP = "current"  # the step a call runs unless KDA_CUDA_WGMMA_STEP names another
 WGMMA_INLINE_THREADS = 128
 
 
-def wgmma_threads(step: str = "current") -> int:
-    """Threads of a wgmma K2 CTA for ``step``: four consumer warps, and a producer warp unless inline."""
-    return WGMMA_INLINE_THREADS if step == "inline" else WGMMA_THREADS
+def wgmma_threads(step: str | None = None) -> int:
+    """Threads of a wgmma K2 CTA for ``step`` (None: the default): four consumer warps, and a
+    producer warp unless inline."""
+    return WGMMA_INLINE_THREADS if (step or WGMMA_DEFAULT_STEP) == "inline" else WGMMA_THREADS
 
 
 # The candidate steps' K1: kda_prepare_wgmma with its float32 fragments by ldmatrix (prepare.cu
@@ -252,13 +254,13 @@ def wgmma_threads(step: str = "current") -> int:
 PREPARE_WGMMA_NEXT_KERNEL = "kda_prepare_wgmma_next"
 
 
-def wgmma_kernel_name(ctas_per_sm: int, step: str = "current") -> str:
-    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step]}"
+def wgmma_kernel_name(ctas_per_sm: int, step: str | None = None) -> str:
+    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step or WGMMA_DEFAULT_STEP]}"
 
 
-def prepare_wgmma_kernel_name(step: str = "current") -> str:
-    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS)."""
-    return PREPARE_WGMMA_KERNEL if step == "current" else PREPARE_WGMMA_NEXT_KERNEL
+def prepare_wgmma_kernel_name(step: str | None = None) -> str:
+    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS; None: the default)."""
+    return PREPARE_WGMMA_KERNEL if (step or WGMMA_DEFAULT_STEP) == "current" else PREPARE_WGMMA_NEXT_KERNEL
 
 
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:

@@ -69,8 +69,8 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
 
 
 def wgmma_step() -> str:
-    """The wgmma K2's step (``abi.WGMMA_STEPS``) that ``KDA_CUDA_WGMMA_STEP`` names: "current"
-    unless set; "next" runs the candidate entry points (their bits are the current ones'),
+    """The wgmma K2's step (``abi.WGMMA_STEPS``) that ``KDA_CUDA_WGMMA_STEP`` names
+    (``abi.WGMMA_DEFAULT_STEP`` unless set): "next" runs the candidate entry points (their bits are the current ones'),
     "inline" those without a producer warp (the same bits too); both with K1's candidate
     (``abi.prepare_wgmma_kernel_name``: the same workspace)."""
     step = switches.WGMMA_STEP
@@ -589,6 +589,6 @@ def _launch(
         note("cuda:recurrence")
         if wgmma_ctas:
             note(f"cuda:recurrence:wgmma{wgmma_ctas}")
-            if step != "current":
+            if step != abi.WGMMA_DEFAULT_STEP:
                 note(f"cuda:recurrence:wgmma-{step}")
             log_once(f"chunk_kda: K2 on wgmma, {wgmma_ctas} CTA(s) an SM ({name})")
