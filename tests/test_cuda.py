@@ -564,7 +564,7 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
         results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
     launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
-    assert launched[2:] == [abi.prepare_wgmma_kernel_name(), abi.wgmma_kernel_name(ctas)], launched
+    assert launched[2:] == [abi.prepare_wgmma_kernel_name(ctas), abi.wgmma_kernel_name(ctas)], launched
     assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
     (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
     assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
@@ -609,10 +609,10 @@ def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, 
             results[step] = (*run_poisoned(p, layout, state_dtype, f"{step}: "),
                              *chunk_forward_runs([zero_v], v_zero=[True])[0])  # fmt: skip
         assert [e for e in events if e.startswith("cuda:recurrence:wgmma-")] == (
-            [f"cuda:recurrence:wgmma-{step}"] * 2 if step != abi.WGMMA_DEFAULT_STEP else []
+            [f"cuda:recurrence:wgmma-{step}"] * 2 if step != abi.WGMMA_DEFAULT_STEPS[ctas] else []
         ), events
     k1 = [name for name in launched if name.startswith("kda_prepare")]
-    assert k1 == [abi.prepare_wgmma_kernel_name(step) for step in abi.WGMMA_STEPS for _ in range(2)], k1
+    assert k1 == [abi.prepare_wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k1
     k2 = [name for name in launched if name.startswith("kda_recurrence")]
     assert k2 == [abi.wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k2
     for step, got in results.items():

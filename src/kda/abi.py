@@ -239,14 +239,15 @@ WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 # picks one (kda.cuda.read_switches).
 # "inline": the candidate step without the producer warp (128 threads, WGMMA_INLINE_THREADS).
 WGMMA_STEPS = {"current": "", "next": "_next", "inline": "_inline"}  # step -> entry point suffix
-WGMMA_DEFAULT_STEP = "current"  # the step a call runs unless KDA_CUDA_WGMMA_STEP names another
+# CTAs an SM -> the step a call runs unless KDA_CUDA_WGMMA_STEP names another.
+WGMMA_DEFAULT_STEPS = {1: "current", 2: "current"}
 WGMMA_INLINE_THREADS = 128
 
 
-def wgmma_threads(step: str | None = None) -> int:
-    """Threads of a wgmma K2 CTA for ``step`` (None: the default): four consumer warps, and a
-    producer warp unless inline."""
-    return WGMMA_INLINE_THREADS if (step or WGMMA_DEFAULT_STEP) == "inline" else WGMMA_THREADS
+def wgmma_threads(ctas_per_sm: int, step: str | None = None) -> int:
+    """Threads of a wgmma K2 CTA at ``step`` (None: the default for ``ctas_per_sm``): four
+    consumer warps, and a producer warp unless inline."""
+    return WGMMA_INLINE_THREADS if (step or WGMMA_DEFAULT_STEPS[ctas_per_sm]) == "inline" else WGMMA_THREADS
 
 
 # The candidate steps' K1: kda_prepare_wgmma with its float32 fragments by ldmatrix (prepare.cu
@@ -255,12 +256,13 @@ PREPARE_WGMMA_NEXT_KERNEL = "kda_prepare_wgmma_next"
 
 
 def wgmma_kernel_name(ctas_per_sm: int, step: str | None = None) -> str:
-    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step or WGMMA_DEFAULT_STEP]}"
+    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step or WGMMA_DEFAULT_STEPS[ctas_per_sm]]}"
 
 
-def prepare_wgmma_kernel_name(step: str | None = None) -> str:
-    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS; None: the default)."""
-    return PREPARE_WGMMA_KERNEL if (step or WGMMA_DEFAULT_STEP) == "current" else PREPARE_WGMMA_NEXT_KERNEL
+def prepare_wgmma_kernel_name(ctas_per_sm: int, step: str | None = None) -> str:
+    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS; None: the default for ``ctas_per_sm``)."""
+    current = (step or WGMMA_DEFAULT_STEPS[ctas_per_sm]) == "current"
+    return PREPARE_WGMMA_KERNEL if current else PREPARE_WGMMA_NEXT_KERNEL
 
 
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:
