@@ -240,7 +240,7 @@ WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 # "inline": the candidate step without the producer warp (128 threads, WGMMA_INLINE_THREADS).
 WGMMA_STEPS = {"current": "", "next": "_next", "inline": "_inline"}  # step -> entry point suffix
 # CTAs an SM -> the step a call runs unless KDA_CUDA_WGMMA_STEP names another.
-WGMMA_DEFAULT_STEPS = {1: "current", 2: "current"}
+WGMMA_DEFAULT_STEPS = {1: "next", 2: "next"}
 WGMMA_INLINE_THREADS = 128
 
 
