@@ -172,18 +172,6 @@ fi
 if [[ " $step " == *" long "* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
 fi
-# The long cases under each wgmma step (KDA_CUDA_WGMMA_STEP), alternating processes, kda-cuda alone:
-# LONG_AB_STEPS (default "current next inline"), LONG_AB_CASES (kda bench --long case numbers, default 1:
-# 1x131072 H32), LONG_AB_ROUNDS (default 2). Results bench-long-<step>-r<round>.* in $OUT.
-if [[ $step == *longab* ]]; then
-  for round in $(seq ${LONG_AB_ROUNDS:-2}); do
-    for wgmma_step in ${LONG_AB_STEPS:-current next inline}; do
-      KDA_CUDA_WGMMA_STEP=$wgmma_step timeout ${LONG_TIMEOUT:-200} python3 -m kda bench --long --impls kda-cuda \
-        --cases ${LONG_AB_CASES:-1} --tag=-$wgmma_step-r$round --out "$OUT" >> "$OUT/long-ab.log" 2>&1
-      grep -h "^| 1x" "$OUT"/*-long-$wgmma_step-r$round.md | sed "s/^/$wgmma_step r$round: /"
-    done
-  done
-fi
 if [[ $step == *longacc* ]]; then  # one long sequence against the float64 yardstick (benchmarks/long_accuracy.py [T] [H])
   timeout ${LONGACC_TIMEOUT:-300} python3 benchmarks/long_accuracy.py ${LONGACC_ARGS:-} > "$OUT/long-accuracy.log" 2>&1
   grep -v '^{' "$OUT/long-accuracy.log" | tail -12; grep '^{' "$OUT/long-accuracy.log" > "$OUT/long-accuracy.json"
@@ -215,18 +203,15 @@ ab_rounds() {
 if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
 fi
-# K2 widths (KDA_CUDA_WARPS; auto: the rule), wgmma steps (KDA_CUDA_WGMMA_STEP; current when left out)
-# and builds: WIDTH_AB="DIR:WIDTH[:STEP] ...", e.g. ".kernels:auto .kernels:auto:next".
-if [[ $step == *widthab* ]]; then
+if [[ $step == *widthab* ]]; then  # K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds: WIDTH_AB="DIR:WIDTH ..."
   for round in $(seq ${WIDTH_AB_ROUNDS:-1}); do
     for run in ${WIDTH_AB:-.kernels:auto .kernels:2k2 .kernels:1k2}; do
-      IFS=: read -r dir width wgmma_step <<< "$run"
+      dir=${run%%:*} width=${run##*:}
       if [[ $width == auto ]]; then unset KDA_CUDA_WARPS; else export KDA_CUDA_WARPS=$width; fi
-      export KDA_CUDA_WGMMA_STEP=${wgmma_step:-current}
       KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$run" >> "$OUT/width-ab.jsonl" 2>> "$OUT/width-ab.log"
     done
   done
-  unset KDA_CUDA_WARPS KDA_CUDA_WGMMA_STEP
+  unset KDA_CUDA_WARPS
   python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl" | tee "$OUT/width-ab-summary.log"
 fi
 if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"

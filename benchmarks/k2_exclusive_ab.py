@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "k2-exclusive-ab.jsonl"))
     args = parser.parse_args()
-    name, own = loader.RECURRENCE_WGMMA_KERNELS[1, "current"]
+    name, own = loader.RECURRENCE_WGMMA_KERNELS[1]
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     # The kernel's static shared memory (its mbarriers) is 1 KB (ptxas -v, nvcc 13.0).
     pad = props.shared_memory_per_block_optin - 1024
@@ -74,12 +74,12 @@ def main() -> None:
             def kda_call(config, tensors=tensors, kw=kw):
                 warps, blocks, padded = config
                 kda.cuda.WARPS_OVERRIDE, kda.cuda.BLOCKS_OVERRIDE = warps, blocks
-                loader.RECURRENCE_WGMMA_KERNELS[1, "current"] = (name, pad if padded else own)
+                loader.RECURRENCE_WGMMA_KERNELS[1] = (name, pad if padded else own)
                 try:
                     return kda.chunk_kda(*tensors, backend="cuda", **kw)
                 finally:
                     kda.cuda.WARPS_OVERRIDE = kda.cuda.BLOCKS_OVERRIDE = None
-                    loader.RECURRENCE_WGMMA_KERNELS[1, "current"] = (name, own)
+                    loader.RECURRENCE_WGMMA_KERNELS[1] = (name, own)
 
             chosen = args.configs.split(",")
             calls = {label: (lambda c=config: kda_call(c)) for label, config in CONFIGS.items() if label in chosen}

@@ -51,14 +51,11 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
-                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80, abi.PREPARE_WGMMA_NEXT_KERNEL: 80,
+                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80,
                     # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (ten warps on
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
-                    **{abi.wgmma_kernel_name(1, step): 255 for step in abi.WGMMA_STEPS},
-                    **{abi.wgmma_kernel_name(2, step): 168 for step in abi.WGMMA_STEPS},
-                    # with no producer warp, two CTAs are eight warps, two a sub-partition: 255
-                    abi.wgmma_kernel_name(2, "inline"): 255,
+                    abi.wgmma_kernel_name(1): 255, abi.wgmma_kernel_name(2): 168,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
@@ -104,8 +101,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL,
-                           abi.PREPARE_WGMMA_NEXT_KERNEL, abi.TABLES_KERNEL,
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL,
                            *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills, _) in report.items() if spills} == {}
     # An injected wait turns work meant to overlap the wgmmas into work after them (2026-12-04:
@@ -564,7 +560,7 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
         results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
     launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
-    assert launched[2:] == [abi.prepare_wgmma_kernel_name(ctas), abi.wgmma_kernel_name(ctas)], launched
+    assert launched[2:] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(ctas)], launched
     assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
     (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
     assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
@@ -577,60 +573,10 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
 
 @pytest.mark.gpu
 @cuda_ready
-@pytest.mark.parametrize("ctas", [1, 2])
-@pytest.mark.parametrize("layout,state_dtype,lower_bound",
-                         [(False, torch.float32, -5.0), (True, torch.bfloat16, -0.5)])  # fmt: skip
-def test_gpu_wgmma_next_step_gives_the_current_steps_bits(cuda_on, monkeypatch, ctas, layout, state_dtype,
-                                                          lower_bound):  # fmt: skip
-    """KDA_CUDA_WGMMA_STEP=next and =inline (recurrence.cu recurrence_wgmma's NEXT and INLINE: the
-    same MMAs on the same words, after K1's candidate) give the current step's outputs and final
-    state bit for bit, every output written and nothing else (poisoned outputs), on sequences of
-    0 to 7, 12, 13 and 76 chunks (the candidates' loops unrolled over six or four stages: every
-    count of a last round's chunks at both, and the inline form's first fills of fewer chunks
-    than stages), partial last chunks among them; and, bit for bit too, with v taken as zeros
-    (chunk_forward_runs' v_zero, into its own buffers), where their masks and the inline form's v
-    copies count tokens from the flag. Their entry points are the ones launched."""
-    from kda.cuda.forward import chunk_forward_runs
-
-    seq_lens = [0, 1, 20, 40, 64, 80, 96, 100, 192, 200, 1201]  # 0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 76 chunks
-    case = cuda_case(seq_lens, 2, layout, "lower_bound", False, True, seed=46 + ctas)
-    case.initial_state = case.initial_state.to(state_dtype)
-    kw = case.kwargs(final_state_dtype=state_dtype, lower_bound=lower_bound)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
-    q, k, v, g, beta = case.tensors()
-    zero_v = checked_problem(kda.chunk_kda, q, k, torch.zeros_like(v), g, beta, **kw)
-    zero_v.v = v  # read as zeros (v_zero): v is only a template
-    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", f"wgmma{ctas}")
-    launched = spy_launches(monkeypatch)
-    results = {}
-    for step in abi.WGMMA_STEPS:
-        monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
-        with kda.record_dispatch() as events:
-            results[step] = (*run_poisoned(p, layout, state_dtype, f"{step}: "),
-                             *chunk_forward_runs([zero_v], v_zero=[True])[0])  # fmt: skip
-        assert [e for e in events if e.startswith("cuda:recurrence:wgmma-")] == (
-            [f"cuda:recurrence:wgmma-{step}"] * 2 if step != abi.WGMMA_DEFAULT_STEPS[ctas] else []
-        ), events
-    k1 = [name for name in launched if name.startswith("kda_prepare")]
-    assert k1 == [abi.prepare_wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k1
-    k2 = [name for name in launched if name.startswith("kda_recurrence")]
-    assert k2 == [abi.wgmma_kernel_name(ctas, step) for step in abi.WGMMA_STEPS for _ in range(2)], k2
-    for step, got in results.items():
-        for name, current, candidate in zip(("o", "state", "o (v zero)", "state (v zero)"), results["current"], got,
-                                            strict=True):  # fmt: skip
-            assert torch.equal(candidate, current), f"{step}: {name}"
-    o_ref, ht_ref = fp64_reference(case, lower_bound=lower_bound)
-    assert_close_fp64(results["current"][0], o_ref, 5e-3, "o")
-    assert_close_fp64(results["current"][1], ht_ref, 5e-3, "state")
-
-
-@pytest.mark.gpu
-@cuda_ready
 def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
     """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
     read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
-    for bit, on every real chunk; so does the candidate steps' K1 (kda_prepare_wgmma_next, its
-    fragments by ldmatrix), which is the one launched under KDA_CUDA_WGMMA_STEP=next."""
+    for bit, on every real chunk."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
     case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
@@ -638,18 +584,13 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
     tables = chunk_tables(p)
     real = int(tables.chunk_offsets[-1])
     views = {}
-    launched = spy_launches(monkeypatch)
-    for route, step in (("mma", "current"), ("wgmma1", "current"), ("wgmma1", "next")):
+    for route in ("mma", "wgmma1"):
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
-        monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
         ws = torch.full((workspace_bytes(p),), 255, dtype=torch.uint8, device="cuda")
         run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws)
-        views[route, step] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
-    k1 = [name for name in launched if name.startswith("kda_prepare")]
-    assert k1 == [abi.PREPARE_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.PREPARE_WGMMA_NEXT_KERNEL], k1
-    for name, x in views["mma", "current"].items():
-        assert torch.equal(views["wgmma1", "current"][name][:real], x[:real]), name
-        assert torch.equal(views["wgmma1", "next"][name][:real], x[:real]), f"next: {name}"
+        views[route] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
+    for name, x in views["mma"].items():
+        assert torch.equal(views["wgmma1"][name][:real], x[:real]), name
 
 
 @pytest.mark.gpu

@@ -220,46 +220,14 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
     k1, k2 = names[k1_args[0]], names[k2_args[0]]
     assert events[:2] == ["cuda:prepare", "cuda:recurrence"], events
     if want:
-        assert (k1, k2) == (abi.prepare_wgmma_kernel_name(want), abi.wgmma_kernel_name(want))
-        assert k2_args[1:8] == (2 * H, 1, 1, abi.wgmma_threads(want), 1, 1, abi.wgmma_shared_bytes(want))
+        assert (k1, k2) == (abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(want))
+        assert k2_args[1:8] == (2 * H, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(want))
         assert events[2:] == [f"cuda:recurrence:wgmma{want}"], events
     else:
         assert k1 == (abi.PREPARE_KERNEL if lower_bound >= -5.0 else abi.PREPARE_FAR_KERNEL), k1
         assert k2.startswith("kda_recurrence_w") and not k2.startswith("kda_recurrence_wgmma"), k2
         assert events[2:] == [], events
     assert bool(block.flags & forward.FLAG_STORE_CHECKPOINTS) == checkpoints
-
-
-@pytest.mark.parametrize("ctas", [1, 2])
-def test_wgmma_step_switch_launches_the_candidate_and_says_so(load_kernels, monkeypatch, ctas):
-    """KDA_CUDA_WGMMA_STEP (abi.WGMMA_STEPS): "next" and "inline" launch the candidate entry
-    points of the same kind, with the same grid and shared memory (inline: 128 threads, no
-    producer warp), and the dispatch log says so; "current" the current one; any other value is
-    refused, naming the setting. The mma.sync K2 ignores it."""
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
-    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
-    case = make_case(seq_lens=[20], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
-    names = {int(handle): name for name, handle in kernels.kernels.items()}
-    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", f"wgmma{ctas}")
-    for step, threads in (("current", 160), ("next", 160), ("inline", 128)):
-        note = [f"cuda:recurrence:wgmma-{step}"] if step != abi.WGMMA_DEFAULT_STEPS[ctas] else []
-        monkeypatch.setattr(kda.cuda, "WGMMA_STEP", step)
-        libcuda.calls.clear()
-        with kda.record_dispatch() as events:
-            forward.chunk_forward(p)
-        (k1_args, _), (k2_args, _) = libcuda.calls
-        assert names[k1_args[0]] == (abi.PREPARE_WGMMA_KERNEL if step == "current" else abi.PREPARE_WGMMA_NEXT_KERNEL)
-        assert names[k2_args[0]] == abi.wgmma_kernel_name(ctas, step)
-        assert k2_args[1:8] == (4, 1, 1, threads, 1, 1, abi.wgmma_shared_bytes(ctas))
-        assert events == ["cuda:prepare", "cuda:recurrence", f"cuda:recurrence:wgmma{ctas}", *note], events
-    monkeypatch.setattr(kda.cuda, "WGMMA_STEP", "nxt")
-    with pytest.raises(ValueError, match="KDA_CUDA_WGMMA_STEP must be one of current, next, inline, got 'nxt'"):
-        forward.chunk_forward(p)
-    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", "mma")
-    libcuda.calls.clear()
-    forward.chunk_forward(p)  # the mma.sync K2 does not read the setting
-    assert names[libcuda.calls[1][0][0]] == "kda_recurrence_w2k2"
 
 
 def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
@@ -348,13 +316,13 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *k2_events * 3], events
     assert log == [("wait", 0x6000, 0x5000, 1, 3), ("wait", 0x6000, 0x5000, 2, 4), ("wait", 0x6000, 0x5000, 3, 5),
                    ("wait", 0x5000, 0x6000, 6, 6)]  # fmt: skip
-    k1_name = abi.prepare_wgmma_kernel_name(1) if wgmma else forward.prepare_kernel(p)
+    k1_name = abi.PREPARE_WGMMA_KERNEL if wgmma else forward.prepare_kernel(p)
     prepare = int(kernels.kernels[k1_name])
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     for k2_args, _ in libcuda.calls[3:]:
         if wgmma:
             assert names[k2_args[0]] == abi.wgmma_kernel_name(1)
-            want = (forward.chain_grid(4, p.H), 1, 1, abi.wgmma_threads(1), 1, 1, abi.wgmma_shared_bytes(1))
+            want = (forward.chain_grid(4, p.H), 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(1))
             assert k2_args[1:8] == want
         else:
             assert names[k2_args[0]].startswith("kda_recurrence_w") and "wgmma" not in names[k2_args[0]]
@@ -411,10 +379,7 @@ def test_time_blocks_of_many_heads_take_the_wgmma_k2_at_the_fill_rules_width(loa
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     launched = [(names[args[0]], args[1], args[7]) for args, _ in libcuda.calls]
     k2 = (abi.wgmma_kernel_name(ctas), 2 * H, abi.wgmma_shared_bytes(ctas))
-    assert [name for name, *_ in launched[:2]] == [abi.prepare_wgmma_kernel_name(ctas)] * 2 and launched[2:] == [
-        k2,
-        k2,
-    ], launched
+    assert [name for name, *_ in launched[:2]] == [abi.PREPARE_WGMMA_KERNEL] * 2 and launched[2:] == [k2, k2], launched
 
 
 def test_time_blocks_join_the_streams_when_a_launch_fails(load_kernels, monkeypatch):
@@ -490,7 +455,7 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
         forward.chunk_forward(p)
     assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence:wgmma1"], events
     names = {int(handle): name for name, handle in kernels.kernels.items()}
-    assert [names[args[0]] for args, _ in libcuda.calls] == [abi.prepare_wgmma_kernel_name(1), abi.wgmma_kernel_name(1)]
+    assert [names[args[0]] for args, _ in libcuda.calls] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(1)]
 
 
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):

@@ -233,36 +233,8 @@ WGMMA_STAGES = {1: 6, 2: 4}  # CTAs an SM -> stages (at three, a step waited ~19
 WGMMA_TILES = {"wq": (0, 2 * CHUNK), "kr": (2 * CHUNK * HEAD_DIM * 2, CHUNK)}
 
 
-# The wgmma K2's step: "current", what calls run; "next", the candidate built beside it for A/B
-# runs (recurrence.cu recurrence_wgmma's NEXT, entry points ..._next; 2026-12-05: the same MMAs
-# on the same words, fewer instructions a step; not yet timed on a GPU). KDA_CUDA_WGMMA_STEP
-# picks one (kda.cuda.read_switches).
-# "inline": the candidate step without the producer warp (128 threads, WGMMA_INLINE_THREADS).
-WGMMA_STEPS = {"current": "", "next": "_next", "inline": "_inline"}  # step -> entry point suffix
-# CTAs an SM -> the step a call runs unless KDA_CUDA_WGMMA_STEP names another.
-WGMMA_DEFAULT_STEPS = {1: "next", 2: "next"}
-WGMMA_INLINE_THREADS = 128
-
-
-def wgmma_threads(ctas_per_sm: int, step: str | None = None) -> int:
-    """Threads of a wgmma K2 CTA at ``step`` (None: the default for ``ctas_per_sm``): four
-    consumer warps, and a producer warp unless inline."""
-    return WGMMA_INLINE_THREADS if (step or WGMMA_DEFAULT_STEPS[ctas_per_sm]) == "inline" else WGMMA_THREADS
-
-
-# The candidate steps' K1: kda_prepare_wgmma with its float32 fragments by ldmatrix (prepare.cu
-# prepare_body's kLdsm), the same workspace bit for bit.
-PREPARE_WGMMA_NEXT_KERNEL = "kda_prepare_wgmma_next"
-
-
-def wgmma_kernel_name(ctas_per_sm: int, step: str | None = None) -> str:
-    return f"kda_recurrence_wgmma_c{ctas_per_sm}{WGMMA_STEPS[step or WGMMA_DEFAULT_STEPS[ctas_per_sm]]}"
-
-
-def prepare_wgmma_kernel_name(ctas_per_sm: int, step: str | None = None) -> str:
-    """K1 for the wgmma K2 at ``step`` (abi.WGMMA_STEPS; None: the default for ``ctas_per_sm``)."""
-    current = (step or WGMMA_DEFAULT_STEPS[ctas_per_sm]) == "current"
-    return PREPARE_WGMMA_KERNEL if current else PREPARE_WGMMA_NEXT_KERNEL
+def wgmma_kernel_name(ctas_per_sm: int) -> str:
+    return f"kda_recurrence_wgmma_c{ctas_per_sm}"
 
 
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:
@@ -363,7 +335,6 @@ def header() -> str:
         f"constexpr int kProductsSharedBytes = {products_shared_bytes()};",
         "",
         f"constexpr int kWgmmaThreads = {WGMMA_THREADS};",
-        f"constexpr int kWgmmaInlineThreads = {WGMMA_INLINE_THREADS};",
         f"constexpr int kWgmmaStageBytes = {WGMMA_STAGE_BYTES};",
         *(f"constexpr int kWgmmaTiles{name.capitalize()} = {offset};" for name, (offset, _) in WGMMA_TILES.items()),
         "constexpr int wgmma_stages(int ctas_per_sm) {",

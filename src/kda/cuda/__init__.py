@@ -48,23 +48,19 @@ BACKWARD_CHAIN = True
 # After the CUDA reverse chain, the state products on CUDA too (KDA_CUDA_STATE_PRODUCTS=0: the
 # Triton kernels, on K1's workspace): kda.cuda.training.state_products.
 STATE_PRODUCTS = True
-# KDA_CUDA_WGMMA_STEP: the wgmma K2's step (abi.WGMMA_STEPS; None when unset: abi.WGMMA_DEFAULT_STEPS),
-# checked where it is used (kda.cuda.forward.wgmma_step).
-WGMMA_STEP: str | None = None
 # KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_WGMMA_STEP``, ``KDA_CUDA_BLOCKS``,
-    ``KDA_CUDA_BACKWARD_CHAIN`` and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``
+    and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
     read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
     against a host budget of 40 us a call. Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, WGMMA_STEP, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
-    WGMMA_STEP = os.environ.get("KDA_CUDA_WGMMA_STEP")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"

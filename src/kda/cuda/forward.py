@@ -68,18 +68,6 @@ def recurrence_width(pairs: int, sms: int) -> tuple[int, int]:
     return RECURRENCE_OVERRIDES[override]
 
 
-def wgmma_step(ctas: int) -> str:
-    """The wgmma K2's step (``abi.WGMMA_STEPS``) that ``KDA_CUDA_WGMMA_STEP`` names
-    (``abi.WGMMA_DEFAULT_STEPS[ctas]`` unless set, for ``ctas`` CTAs an SM): "next" runs the
-    candidate entry points (their bits are the current ones'), "inline" those without a producer
-    warp (the same bits too); both with K1's candidate (``abi.prepare_wgmma_kernel_name``: the
-    same workspace)."""
-    step = switches.WGMMA_STEP or abi.WGMMA_DEFAULT_STEPS[ctas]
-    if step not in abi.WGMMA_STEPS:
-        raise ValueError(f"KDA_CUDA_WGMMA_STEP must be one of {', '.join(abi.WGMMA_STEPS)}, got {step!r}")
-    return step
-
-
 def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = False) -> int:
     """CTAs an SM of the wgmma K2 for ``p`` (1 or 2), or 0 for the mma.sync K2
     (:func:`recurrence_width`). The wgmma K2 writes no training checkpoints and reads K1's tiles
@@ -569,10 +557,8 @@ def _launch(
     if wgmma_ctas is None:
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
-        step = wgmma_step(wgmma_ctas)
-        prepare_name = abi.prepare_wgmma_kernel_name(wgmma_ctas, step)
-        name, shared_bytes = loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas, step]
-        grid, threads = (chain_grid(4, N * H), 1), abi.wgmma_threads(wgmma_ctas, step)
+        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
+        grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS
     else:
         warps, ksplit = recurrence_width(N * H, sms)
         prepare_name, (name, shared_bytes) = prepare_kernel(p), loader.RECURRENCE_KERNELS[warps, ksplit]
@@ -590,6 +576,4 @@ def _launch(
         note("cuda:recurrence")
         if wgmma_ctas:
             note(f"cuda:recurrence:wgmma{wgmma_ctas}")
-            if step != abi.WGMMA_DEFAULT_STEPS[wgmma_ctas]:
-                note(f"cuda:recurrence:wgmma-{step}")
             log_once(f"chunk_kda: K2 on wgmma, {wgmma_ctas} CTA(s) an SM ({name})")

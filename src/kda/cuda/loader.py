@@ -105,12 +105,9 @@ RECURRENCE_KERNELS = {
     (warps, 2): (f"kda_recurrence_w{warps}k2", abi.recurrence_shared_bytes(warps, 2))
     for warps in abi.RECURRENCE_SPLIT_WIDTHS
 }
-# K2 on wgmma (abi.WGMMA_*): per (CTAs an SM, step: abi.WGMMA_STEPS), its entry point and dynamic
-# shared memory.
+# K2 on wgmma (abi.WGMMA_*): per count of CTAs an SM, its entry point and dynamic shared memory.
 RECURRENCE_WGMMA_KERNELS = {
-    (ctas, step): (abi.wgmma_kernel_name(ctas, step), abi.wgmma_shared_bytes(ctas))
-    for ctas in abi.WGMMA_STAGES
-    for step in abi.WGMMA_STEPS
+    ctas: (abi.wgmma_kernel_name(ctas), abi.wgmma_shared_bytes(ctas)) for ctas in abi.WGMMA_STAGES
 }
 # The training backward's reverse chain: K2's pipeline and stages, so its shared memory.
 CHAIN_KERNELS = {
@@ -228,13 +225,7 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (
-                abi.PREPARE_KERNEL,
-                abi.PREPARE_FAR_KERNEL,
-                abi.PREPARE_WGMMA_KERNEL,
-                abi.PREPARE_WGMMA_NEXT_KERNEL,
-                abi.TABLES_KERNEL,
-            ),  # fmt: skip
+            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL),
             "recurrence.fatbin": tuple(name for name, _ in SIZED_KERNELS),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }

@@ -244,7 +244,7 @@ __device__ __forceinline__ void left_fragment(float (&a)[4], const float (*X)[ST
   a[3] = X[g + 8][c0 + t + 4];
 }
 
-// The same four words by one ldmatrix.x4 (kda_prepare_wgmma_next, 2026-12-05): 32-bit elements
+// The same four words by one ldmatrix.x4 (kda_prepare_wgmma since 2026-12-05): 32-bit elements
 // read as pairs of 16-bit ones, so the [8 rows, 4 columns] blocks (rows g / g + 8, columns c0 /
 // c0 + 4) are its four 8x8 matrices, lane l giving row l % 8 of matrix l / 8; lane (g, t) gets
 // word t of row g of each. Rows kPad (132 = 4 mod 32) or kRowPad (20) floats apart: the eight rows
@@ -661,13 +661,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare(const Para
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const Params p) { prepare_chunk<true>(p); }
 // kda_prepare with its tiles in the wgmma K2's layout (abi.PREPARE_WGMMA_KERNEL): the same
 // arithmetic and shared memory, other store addresses (1x8192 H96 0.4468 ms against 0.4461, run
-// 120). Only the gates kda_prepare serves take the wgmma K2 (kda.cuda.forward.recurrence_kind).
+// 120); since 2026-12-05 its float32 fragments read by ldmatrix (prepare_body's kLdsm: the same
+// workspace bit for bit, run 140's GPU test; 56 32-bit loads a thread to 14). Only the gates
+// kda_prepare serves take the wgmma K2 (kda.cuda.forward.recurrence_kind).
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(const Params p) {
-  prepare_chunk<false, true>(p);
-}
-// The same with its fragments by ldmatrix (prepare_body's kLdsm; the same workspace bit for bit),
-// the K1 of the wgmma K2's candidate steps (abi.prepare_wgmma_kernel_name, KDA_CUDA_WGMMA_STEP).
-extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma_next(const Params p) {
   prepare_chunk<false, true, true>(p);
 }
 

@@ -999,32 +999,25 @@ static_assert(WorkspaceLayout::inverse_beta_hi % 16 == 0 && WorkspaceLayout::inv
                   WorkspaceLayout::M % 16 == 0,
               "ldmatrix rows are 16-byte aligned");
 
-// CTAS: CTAs an SM (abi.WGMMA_STAGES: the pipeline's stages for that many). NEXT: the candidate
-// step (abi.WGMMA_NEXT; the entry points kda_recurrence_wgmma_c<CTAS>_next), which computes the
-// same MMAs in the same order from the same words, so it gives the same bits:
+// CTAS: CTAs an SM (abi.WGMMA_STAGES: the pipeline's stages for that many). The step as it has
+// been since 2026-12-05 (run 140, benchmarks/NOTES.md): the same MMAs in the same order from the
+// same words as the step before it (the same bits: run 140's hashes, and its GPU test of both),
+// with fewer instructions:
 //   - inverse_beta (hi, lo) and M read as the mma.sync right operands by one ldmatrix.x4 each
 //     (three shared loads a step for twelve 32-bit ones),
-//   - the output tile written by one stmatrix.trans (for eight 16-bit stores and their
-//     conversions),
-//   - a lane's output row stored from a pointer advanced a chunk a step (for a 64-bit row
-//     address recomputed every step),
+//   - the output tile written by one stmatrix.trans (for eight 16-bit stores and conversions),
+//   - a lane's output row stored from a pointer advanced a chunk a step (for a 64-bit row address
+//     recomputed every step), and 32-bit chunk and token counts,
 //   - at one CTA an SM, the loop unrolled over the pipeline's stages, so that every stage's
 //     shared-memory addresses and barriers are immediates (at two, 168 registers a thread leave
 //     no room for it: it spilled; 2026-12-04, benchmarks/NOTES.md).
-// INLINE (with NEXT; abi.WGMMA_STEPS "inline", entry points ..._inline): no producer warp, 128
-// threads. Registers are allocated per SM sub-partition (16384 each): two CTAs of five warps put
-// three warps on some sub-partition, which caps a thread at 168 registers, too few to unroll the
-// loop; two CTAs of four warps leave 255, so the two-CTA loop is unrolled too, and no producer
-// warp takes issue slots. Each warp refills its own 16 v columns of a stage (the only ones it
-// reads) once it has read them, and the warps take turns (stage % 4) at waiting for a stage's
-// release and issuing its workspace block's bulk copy; the full barrier counts the 128 lanes'
-// cp.async arrivals and that copy's.
-// Static SASS counts (cuobjdump, nvcc 13.0, 2026-12-05) in benchmarks/NOTES.md; not yet timed.
-template <int CTAS, bool NEXT = false, bool INLINE = false>
+// Static SASS a step 311 -> 242 at one CTA an SM, 313 -> 270 at two (cuobjdump, nvcc 13.0); on the
+// H200, K2 on 1x8192 H64 0.280 -> 0.214 ms, on 1x8192 H96 0.424 -> 0.371. A form without the
+// producer warp (each warp refilling its own v columns, the warps taking turns at the workspace
+// copy; 128 threads, so the two-CTA loop unrolls too) was slower (1x8192 H96 0.853 ms against
+// 0.819 for the call; baf32fe).
+template <int CTAS>
 __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
-  static_assert(NEXT || !INLINE, "the inline form is built on the candidate step");
-  constexpr int kThreadsHere = INLINE ? kWgmmaInlineThreads : kWgmmaThreads;
-  static_assert(kThreadsHere == 32 * (INLINE ? 4 : 5), "four consumer warps, and a producer warp unless INLINE");
   constexpr int kWgmmaStages = wgmma_stages(CTAS);
   static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
                 "abi.wgmma_shared_bytes lays out this kernel's shared memory");
@@ -1047,98 +1040,52 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   if (warp < 4) load_state(St, p, state_offset, lane, state_base);
 
   __shared__ uint64_t full[kWgmmaStages], empty[kWgmmaStages];
-  // A stage's fill: the producer's 32 cp.async arrivals and its expect-tx one, or (INLINE) the
-  // 128 consumer lanes' and the workspace copy's.
-  Pipeline<4, kWgmmaStages, true, INLINE ? 4 * 32 + 1 : 33, 4> pipe(full, empty);
-  if constexpr (!INLINE) {
-    if (warp == 4) {
-      for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
-        if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
-        load_stage<4>(smem + pipe.stage * kWgmmaStageBytes, pipe.full[pipe.stage],
-                      p.workspace + ((cs.c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk,
-                      cs.rows(i), h, cs.v0);
-      }
-      cute::cp_async_wait<0>();
-      return;
+  Pipeline<4, kWgmmaStages, true, 33, 4> pipe(full, empty);
+  if (warp == 4) {
+    for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
+      if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
+      load_stage<4>(smem + pipe.stage * kWgmmaStageBytes, pipe.full[pipe.stage],
+                    p.workspace + ((cs.c_first + i) * p.heads + h) * kWorkspaceBytes, p, bos + i * kChunk, cs.rows(i),
+                    h, cs.v0);
     }
+    cute::cp_async_wait<0>();
+    return;
   }
   // Two output tiles a warp: chunk i's is written at its step's end and stored to o during step
   // i + 1, in the shadow of its wgmmas.
   __nv_bfloat16* out_tiles =
       reinterpret_cast<__nv_bfloat16*>(smem + kWgmmaStages * kWgmmaStageBytes + warp * 2 * Stage<4>::kOutBytes);
-  // NEXT: lane l's output row (token l / 2 of the chunk, v columns 8 (l % 2) ..) as a pointer
-  // advanced a chunk a store, and the tokens left from it. 32 bits hold a sequence's tokens: one
-  // of 2^31 would need 512 GB of v at one head.
+  // Lane l's output row (token l / 2 of the chunk, v columns 8 (l % 2) ..) as a pointer advanced a
+  // chunk a store, and the tokens left from it. 32 bits hold a sequence's tokens: one of 2^31
+  // would need 512 GB of v at one head.
   __nv_bfloat16* o_row = p.o + ((bos + lane.l / 2) * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2);
   const int64_t o_chunk_step = int64_t{kChunk} * p.heads * kHeadDim;
   int o_rows_left = static_cast<int>(eos - bos) - lane.l / 2;
-  const auto store_output = [&](int64_t c) {  // chunk c's tile to o (the warp's 16 columns)
+  const auto store_output = [&](int64_t c) {  // chunk c's tile to o (the warp's 16 columns), c = 0, 1, ... in order
     __syncwarp();
     const uint4* tile = reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16));
-    if constexpr (NEXT) {  // called for c = 0, 1, 2, ... in order
-      if (o_rows_left > 0) *reinterpret_cast<uint4*>(o_row) = tile[lane.l];
-      o_row += o_chunk_step;
-      o_rows_left -= kChunk;
-    } else {
-      const int64_t tok = bos + c * kChunk + lane.l / 2;
-      if (tok < eos)
-        *reinterpret_cast<uint4*>(p.o + (tok * p.heads + h) * kHeadDim + v_warp + 8 * (lane.l % 2)) =
-            reinterpret_cast<const uint4*>(out_tiles + (c & 1) * (kChunk * 16))[lane.l];
-    }
+    if (o_rows_left > 0) *reinterpret_cast<uint4*>(o_row) = tile[lane.l];
+    o_row += o_chunk_step;
+    o_rows_left -= kChunk;
     __syncwarp();
   };
-  // NEXT: the byte offset of the row that lane l addresses in an ldmatrix.x4 or stmatrix.x4 of a
+  // The byte offset of the row that lane l addresses in an ldmatrix.x4 or stmatrix.x4 of a
   // [16, 16] 16-bit tile stored row-major (32 B a row): matrix m = l / 8 is rows 8 (m / 2) ..
   // + 7, columns 8 (m % 2) .. + 7. Over the [n, k] right-operand tiles (inverse_beta, M) it
-  // gives register 2 nt + j = the b_j of n-tile nt (k 8 j + 2 t, + 1 of row n = 8 nt + g), the
-  // words the 32-bit loads read; over the [token, v] output tile, stmatrix.trans takes register
-  // 2 nt + j as O^T's n-tile nt, rows (v) 8 j ..: the elements the 16-bit stores wrote.
+  // gives register 2 nt + j = the b_j of n-tile nt (k 8 j + 2 t, + 1 of row n = 8 nt + g); over
+  // the [token, v] output tile, stmatrix.trans takes register 2 nt + j as O^T's n-tile nt, rows
+  // (v) 8 j .. (benchmarks/lane_maps.py checks both against 32-bit loads and 16-bit stores).
   const int quad_offset = ((lane.l / 16) * 8 + lane.l % 8) * 32 + ((lane.l / 8) % 2) * 16;
 
-  // NEXT: the v tokens from chunk 0 on, in 32 bits (as o_rows_left): the partial-chunk mask's count.
+  // The v tokens from chunk 0 on (as o_rows_left): the partial-chunk mask's count.
   const int v_tokens = (p.flags & kVZero) ? 0 : static_cast<int>(eos - bos);
   const int chunks = static_cast<int>(num_chunks);
 
-  // INLINE: the stages are filled chunk by chunk in order, from sources that step a chunk a fill.
-  // fill_v: this warp's 16 v columns of the next chunk into stage s, lane l 16 bytes of row l / 2
-  // (valid rows only: never past v's end; stale rows are masked as the producer's are), then every
-  // lane's arrival once its copy has landed (load_stage's v copy, a warp's share of it).
-  const int fill_row = lane.l / 2, fill_column = warp * 16 + 8 * (lane.l % 2);
-  const __nv_bfloat16* v_fill = p.v + ((bos + fill_row) * p.heads + h) * kHeadDim + cs.v0 + fill_column;
-  int v_fill_rows = v_tokens - fill_row;  // > 0: the row is in the sequence
-  const auto fill_v = [&](int s) {
-    if (v_fill_rows > 0)
-      copy_async_16(smem + s * kWgmmaStageBytes + kWorkspaceBytes + fill_row * Stage<4>::kVRowStride + fill_column * 2,
-                    v_fill, true);
-    cp_async_arrive_noinc(full[s]);
-    v_fill += o_chunk_step;  // o's and v's rows have one stride
-    v_fill_rows -= kChunk;
-  };
-  // ... and, from one lane, the workspace block of chunk c in one bulk copy, whose bytes the
-  // barrier counts.
-  const unsigned char* ws_first = p.workspace + (cs.c_first * p.heads + h) * kWorkspaceBytes;
-  const int64_t ws_chunk_step = p.heads * int64_t{kWorkspaceBytes};
-  const auto fill_workspace = [&](int c, int s) {
-    cute::set_barrier_transaction_bytes(full[s], kWorkspaceBytes);
-    cute::SM90_BULK_COPY_G2S::copy(ws_first + c * ws_chunk_step, &full[s], smem + s * kWgmmaStageBytes,
-                                   kWorkspaceBytes);
-  };
-  if constexpr (INLINE) {  // the first round of stages
-    for (int c = 0; c < min(kWgmmaStages, chunks); ++c) {
-      fill_v(c);
-      if (warp == c % 4 && lane.l == 0) fill_workspace(c, c);
-    }
-  }
-
-  // One chunk's step from stage ``stage`` (its full barrier in phase ``parity``); i: int64_t, or
-  // int in the NEXT kernels (a sequence's chunks, as its tokens, fit in 31 bits).
-  const auto step = [&](auto i, int stage, int parity) {
+  // One chunk's step from stage ``stage`` (its full barrier in phase ``parity``).
+  const auto step = [&](int i, int stage, int parity) {
     mbarrier_wait(full[stage], parity);
     const unsigned char* st = smem + stage * kWgmmaStageBytes;
     const uint32_t st_address = cute::cast_smem_ptr_to_uint(st);
-    const uint32_t* ib_hi = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_hi);
-    const uint32_t* ib_lo = reinterpret_cast<const uint32_t*>(st + WS::inverse_beta_lo);
-    const uint32_t* M = reinterpret_cast<const uint32_t*>(st + WS::M);
     const float2* gamma = reinterpret_cast<const float2*>(st + WS::gamma);
 
     // S^T [w; q_decayed]^T: n-tiles 0, 1 the chain's S^T w^T, 2, 3 the output's S^T q_decayed^T.
@@ -1164,30 +1111,14 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // While the chain's wgmmas run: V^T inverse_beta^T (mma.sync), the previous chunk's output to o.
     float VB[2][4] = {};
     uint32_t aV[4];
-    int64_t v_rows;
-    if constexpr (NEXT)
-      v_rows = v_tokens - i * kChunk;
-    else
-      v_rows = (p.flags & kVZero) ? 0 : eos - bos - i * kChunk;
+    const int64_t v_rows = v_tokens - i * kChunk;
     token_tile_operand(aV, st + kWorkspaceBytes, Stage<4>::kVRowStride, warp * 16, lane, v_rows);
-    if constexpr (NEXT) {
-      uint32_t b_hi[4], b_lo[4];
-      ldmatrix_x4(b_hi, st + WS::inverse_beta_hi + quad_offset);
-      ldmatrix_x4(b_lo, st + WS::inverse_beta_lo + quad_offset);
-      for (int nt = 0; nt < 2; ++nt) {
-        mma_bf16(VB[nt], aV, b_hi[2 * nt], b_hi[2 * nt + 1]);
-        mma_bf16(VB[nt], aV, b_lo[2 * nt], b_lo[2 * nt + 1]);
-      }
-    } else {
-      for (int nt = 0; nt < 2; ++nt) {
-        const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
-        mma_bf16(VB[nt], aV, ib_hi[row], ib_hi[row + 4]);
-        mma_bf16(VB[nt], aV, ib_lo[row], ib_lo[row + 4]);
-      }
-    }
-    if constexpr (INLINE) {  // this warp has read its v columns of the stage: chunk i + S's, into it
-      __syncwarp();
-      if (i + kWgmmaStages < chunks) fill_v(stage);
+    uint32_t b_hi[4], b_lo[4];
+    ldmatrix_x4(b_hi, st + WS::inverse_beta_hi + quad_offset);
+    ldmatrix_x4(b_lo, st + WS::inverse_beta_lo + quad_offset);
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_bf16(VB[nt], aV, b_hi[2 * nt], b_hi[2 * nt + 1]);
+      mma_bf16(VB[nt], aV, b_lo[2 * nt], b_lo[2 * nt + 1]);
     }
     if (i > 0) store_output(i - 1);
     cute::warpgroup_wait<0>();
@@ -1203,15 +1134,10 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     // registers that an issued wgmma reads waited for it: 128 cycles a step, run 108).
     float O[2][4];
     uint32_t b_m[4];
-    if constexpr (NEXT) ldmatrix_x4(b_m, st + WS::M + quad_offset);
+    ldmatrix_x4(b_m, st + WS::M + quad_offset);
     for (int nt = 0; nt < 2; ++nt) {
       for (int e = 0; e < 4; ++e) O[nt][e] = PO[2 + nt][e];
-      if constexpr (NEXT) {
-        mma_bf16(O[nt], aU, b_m[2 * nt], b_m[2 * nt + 1]);
-      } else {
-        const int row = (8 * nt + lane.g) * (kChunk / 2) + lane.t;
-        mma_bf16(O[nt], aU, M[row], M[row + 4]);
-      }
+      mma_bf16(O[nt], aU, b_m[2 * nt], b_m[2 * nt + 1]);
     }
 
     // S^T += U^T k_restored: one m64n128k16 (k_restored MN-major: N halves 2048 B apart, token
@@ -1221,28 +1147,15 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
     wgmma_64x128(St, aU, gmma_desc(st_address + kWgmmaTilesKr, 2048, 1024));
     cute::warpgroup_commit_batch();
     __nv_bfloat16* out_tile = out_tiles + (i & 1) * (kChunk * 16);
-    if constexpr (NEXT) {
-      stmatrix_x4_trans(reinterpret_cast<unsigned char*>(out_tile) + quad_offset, pack_bf16(O[0][0], O[0][1]),
-                        pack_bf16(O[0][2], O[0][3]), pack_bf16(O[1][0], O[1][1]), pack_bf16(O[1][2], O[1][3]));
-    } else {
-      for (int nt = 0; nt < 2; ++nt)
-        for (int e = 0; e < 4; ++e)
-          out_tile[(8 * nt + 2 * lane.t + e % 2) * 16 + lane.g + 8 * (e / 2)] = __float2bfloat16_rn(O[nt][e]);
-    }
+    stmatrix_x4_trans(reinterpret_cast<unsigned char*>(out_tile) + quad_offset, pack_bf16(O[0][0], O[0][1]),
+                      pack_bf16(O[0][2], O[0][3]), pack_bf16(O[1][0], O[1][1]), pack_bf16(O[1][2], O[1][3]));
     cute::warpgroup_wait<0>();
     fence_operands(St);
     mbarrier_arrive(empty[stage]);  // every lane releases (pipe.release, kLaneRelease)
-    if constexpr (INLINE) {  // this stage's turn: once every warp has released it, chunk i + S's workspace
-      if (warp == stage % 4 && i + kWgmmaStages < chunks) {
-        mbarrier_wait(empty[stage], parity);
-        if (lane.l == 0) fill_workspace(i + kWgmmaStages, stage);
-        __syncwarp();
-      }
-    }
   };
   static_assert(decltype(pipe)::kLaneRelease, "the step releases its stage from every lane");
 
-  if constexpr (NEXT && (CTAS == 1 || INLINE)) {
+  if constexpr (CTAS == 1) {
     // Unrolled over the stages: stage s of round r holds chunk r S + s, its barriers in phase r % 2.
     int parity = 0;
     for (int i0 = 0; i0 < chunks; i0 += kWgmmaStages, parity ^= 1) {
@@ -1250,10 +1163,8 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
       for (int s = 0; s < kWgmmaStages; ++s)
         if (i0 + s < chunks) step(i0 + s, s, parity);
     }
-  } else if constexpr (NEXT) {
-    for (int i = 0; i < chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
   } else {
-    for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
+    for (int i = 0; i < chunks; ++i, pipe.next()) step(i, pipe.stage, pipe.round_parity);
   }
   if (num_chunks > 0) store_output(num_chunks - 1);
 
@@ -1273,27 +1184,13 @@ extern "C" __global__ void __maxnreg__(128) kda_recurrence_w4(const Params p) { 
 // K split between two warps a V group (few chains: the calls where sub-partitions would idle),
 // five warps a CTA; 128 registers, no spill.
 extern "C" __global__ void __maxnreg__(128) kda_recurrence_w2k2(const Params p) { recurrence<2, 2>(p); }
-// K2 on wgmma (abi.wgmma_kernel_name): one CTA an SM (241 registers, six stages), two (168
-// registers under the bound's 204, four stages); no spills (nvcc 13.0, 2026-12-04).
+// K2 on wgmma (abi.wgmma_kernel_name): one CTA an SM (243 registers, six stages), two (167
+// registers under the bound's 204, four stages); no spills (nvcc 13.0, 2026-12-05).
 extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wgmma_c1(const Params p) {
   recurrence_wgmma<1>(p);
 }
 extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2(const Params p) {
   recurrence_wgmma<2>(p);
-}
-// The candidate step (recurrence_wgmma's NEXT; abi.WGMMA_NEXT), for A/B runs beside the two above.
-extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wgmma_c1_next(const Params p) {
-  recurrence_wgmma<1, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2_next(const Params p) {
-  recurrence_wgmma<2, true>(p);
-}
-// ... and without its producer warp (recurrence_wgmma's INLINE; abi.WGMMA_STEPS "inline").
-extern "C" __global__ void __launch_bounds__(kWgmmaInlineThreads, 1) kda_recurrence_wgmma_c1_inline(const Params p) {
-  recurrence_wgmma<1, true, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(kWgmmaInlineThreads, 2) kda_recurrence_wgmma_c2_inline(const Params p) {
-  recurrence_wgmma<2, true, true>(p);
 }
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
