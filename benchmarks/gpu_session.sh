@@ -203,12 +203,18 @@ ab_rounds() {
 if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS=".kernels .kernels-var"
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
 fi
-if [[ $step == *widthab* ]]; then  # K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds: WIDTH_AB="DIR:WIDTH ..."
+# K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds, each with an optional setting for its process:
+# WIDTH_AB="DIR:WIDTH[:NAME=VALUE] ..." (e.g. .kernels:auto:KDA_CUDA_K1_ITEMS=1); SRC=TREE in place of a
+# setting runs that process on the package under TREE/src (another commit's Python for its kernels, as
+# `git archive REV src | tar -x -C TREE` leaves it, carried).
+if [[ $step == *widthab* ]]; then
   for round in $(seq ${WIDTH_AB_ROUNDS:-1}); do
     for run in ${WIDTH_AB:-.kernels:auto .kernels:2k2 .kernels:1k2}; do
-      dir=${run%%:*} width=${run##*:}
+      IFS=: read -r dir width setting <<< "$run"
       if [[ $width == auto ]]; then unset KDA_CUDA_WARPS; else export KDA_CUDA_WARPS=$width; fi
-      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$run" >> "$OUT/width-ab.jsonl" 2>> "$OUT/width-ab.log"
+      [[ $setting == SRC=* ]] && setting="PYTHONPATH=/tmp/site:$PWD/${setting#SRC=}/src"
+      env ${setting:+"$setting"} KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 benchmarks/prepare_ab.py "$run" \
+        >> "$OUT/width-ab.jsonl" 2>> "$OUT/width-ab.log"
     done
   done
   unset KDA_CUDA_WARPS

@@ -230,6 +230,44 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
     assert bool(block.flags & forward.FLAG_STORE_CHECKPOINTS) == checkpoints
 
 
+@pytest.mark.parametrize(
+    "H, T, warps, checkpoints, grid",
+    [(96, 200, None, False, (6 * 132, 1)), (2, 20, "wgmma1", False, (4, 1)), (96, 200, "mma", False, None),
+     (96, 200, None, True, None)],
+)  # fmt: skip
+def test_k1_items_where_k1_has_the_gpu_and_stores_for_the_wgmma_k2(load_kernels, monkeypatch, H, T, warps,
+                                                                   checkpoints, grid):  # fmt: skip
+    """Under KDA_CUDA_K1_ITEMS=1 a call that takes the wgmma K2 launches K1 as kda_prepare_items on
+    the CTAs the device holds at once (the driver's residency, six an SM here, times 132 SMs: fewer
+    than 96 heads x 13 chunks), at most one an item (2 heads x 2 chunks: 4), and the dispatch log
+    says so; the mma.sync K2 and training checkpoints keep their K1 on a CTA a chunk and head.
+    Switched off, the same call launches kda_prepare_wgmma."""
+    from kda.triton.training import checkpoint_shape
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    asked = []
+    monkeypatch.setattr(kernels, "resident_ctas", lambda *args: asked.append(args) or 6)
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
+    case = make_case(seq_lens=[T], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    names = {int(handle): name for name, handle in kernels.kernels.items()}
+    for items in (True, False):
+        monkeypatch.setattr(kda.cuda, "K1_ITEMS", items)
+        libcuda.calls.clear()
+        with kda.record_dispatch() as events:
+            forward.chunk_forward(p, torch.empty(checkpoint_shape(p)) if checkpoints else None)
+        (k1_args, _), _ = libcuda.calls
+        if items and grid:
+            assert names[k1_args[0]] == abi.PREPARE_ITEMS_KERNEL and k1_args[1:5] == (*grid, 1, loader.PREPARE_THREADS)
+            assert events[:2] == ["cuda:prepare", "cuda:prepare:items"], events
+            assert asked[-1] == (abi.PREPARE_ITEMS_KERNEL, loader.PREPARE_THREADS, 0), asked
+        else:
+            assert names[k1_args[0]] != abi.PREPARE_ITEMS_KERNEL and k1_args[1:3] == (-(-T // 16), H), k1_args
+            assert "cuda:prepare:items" not in events, events
+    assert (len(asked) > 0) == bool(grid), asked
+
+
 def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
     """kda.cuda.forward.chunk_forward_runs (the segment split's transition runs): K1 once, with
     the first call's block, then K2 for every call with its own v, states and outputs and the same
@@ -293,10 +331,12 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     caller's final state for the last). Every block's K2 is the wgmma one at one CTA an SM
     (forward.recurrence_kind's ``blocked``) after K1's twin that stores its tiles for it, although
     two CTAs a pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
-    (lb < -5.025) keep the mma.sync K2."""
+    (lb < -5.025) keep the mma.sync K2. KDA_CUDA_K1_ITEMS=1 leaves the blocks' K1 a CTA an item: it
+    runs beside a K2, so not all of its CTAs could be resident at once."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
+    monkeypatch.setattr(kda.cuda, "K1_ITEMS", True)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
     wgmma = warps is None and lower_bound >= -5.0
     log = []
