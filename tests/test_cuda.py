@@ -561,7 +561,8 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
         results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
     launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
-    assert launched[2:] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(ctas)], launched
+    k1 = abi.PREPARE_ITEMS_KERNEL if kda.cuda.K1_ITEMS else abi.PREPARE_WGMMA_KERNEL  # (K1 alone: run_stages)
+    assert launched[2:] == [k1, abi.wgmma_kernel_name(ctas)], launched
     assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
     (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
     assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
@@ -577,8 +578,11 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
 def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
     """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
     read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
-    for bit, on every real chunk."""
+    for bit, on every real chunk (K1 a CTA an item, whatever KDA_CUDA_K1_ITEMS says; the next test
+    holds kda_prepare_items to kda_prepare_wgmma)."""
     from kda.cuda.forward import run_stages, workspace_bytes
+
+    monkeypatch.setattr(kda.cuda, "K1_ITEMS", False)
 
     case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
@@ -714,7 +718,8 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypa
     with kda.record_dispatch() as events:
         got = chunk_forward_runs(problems, v_zero=[False, True])
     wgmma = [f"cuda:recurrence:{width}"] if width in forward.WGMMA_OVERRIDES else []
-    assert events == ["cuda:prepare", "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
+    items = ["cuda:prepare:items"] if wgmma and kda.cuda.K1_ITEMS else []  # (K1 alone, for the wgmma K2)
+    assert events == ["cuda:prepare", *items, "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
     for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
         o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)

@@ -62,6 +62,9 @@ def load_kernels(monkeypatch, tmp_path):
         "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
         "cuKernelSetAttribute": lambda *args: (OK,),
         "cuCtxGetCurrent": lambda: (OK, driver.CUcontext(0x77)),
+        "cuKernelGetFunction": lambda kernel: (OK, driver.CUfunction(int(kernel))),
+        # K1's resident CTAs an SM (kda_prepare_items' grid), as the H200's driver counts them
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor": lambda function, threads, smem: (OK, 6),
     }.items():
         monkeypatch.setattr(driver, name, stub)
     for artefact in loader.ARTEFACTS:
@@ -201,13 +204,22 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
                                                      want):  # fmt: skip
     """forward.recurrence_kind on 132 SMs, and what the forward hands the driver for it: where
     two CTAs a (sequence, head) pair fill 90% of the SMs (119 CTAs: H >= 60 for one sequence),
-    K1's twin that stores its tiles for wgmma (kda_prepare_wgmma), then the wgmma K2 at one CTA
+    K1's twin that stores its tiles for wgmma (kda_prepare_wgmma, or under KDA_CUDA_K1_ITEMS its
+    resident-CTA form kda_prepare_items, either way here), then the wgmma K2 at one CTA
     an SM up to a wave and two past it (its grid, 160 threads, its shared memory), and the
     dispatch log says so; never for K1's far entry point (lb < -5.025) nor with training
     checkpoints, which it does not write; KDA_CUDA_WARPS forces either kind."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    for items in (False, True):
+        monkeypatch.setattr(kda.cuda, "K1_ITEMS", items)
+        libcuda.calls.clear()
+        wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoints, override, want, items)
+
+
+def wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoints, override, want, items):
+    """test_wgmma_recurrence_by_the_rule_and_the_switch under one setting of KDA_CUDA_K1_ITEMS."""
     from kda.triton.training import checkpoint_shape
 
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", override)
     case = make_case(seq_lens=[20], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
@@ -218,9 +230,13 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     (k1_args, _), (k2_args, block) = libcuda.calls
     k1, k2 = names[k1_args[0]], names[k2_args[0]]
+    if want and items:
+        assert events[:3] == ["cuda:prepare", "cuda:prepare:items", "cuda:recurrence"], events
+        events = events[:1] + events[2:]
     assert events[:2] == ["cuda:prepare", "cuda:recurrence"], events
     if want:
-        assert (k1, k2) == (abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(want))
+        k1_want = abi.PREPARE_ITEMS_KERNEL if items else abi.PREPARE_WGMMA_KERNEL
+        assert (k1, k2) == (k1_want, abi.wgmma_kernel_name(want))
         assert k2_args[1:8] == (2 * H, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(want))
         assert events[2:] == [f"cuda:recurrence:wgmma{want}"], events
     else:
@@ -466,7 +482,8 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
     """forward.stream_pair makes a stream through the driver (non-blocking, the context's greatest
     priority) for each (device, stream) the first time, keeps it, and past RECURRENCE_STREAMS
     answers None, where chunk_forward runs the call uncut, on the K2 its blocks would have taken
-    (the wgmma one: the same bits as in blocks) after K1's twin that stores its tiles for it."""
+    (the wgmma one: the same bits as in blocks) after K1's twin that stores its tiles for it
+    (under KDA_CUDA_K1_ITEMS in its resident-CTA form: K1 has the GPU to itself there)."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(forward, "_recurrence_streams", {})
@@ -493,9 +510,11 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     with kda.record_dispatch() as events:
         forward.chunk_forward(p)
-    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence:wgmma1"], events
+    items = kda.cuda.K1_ITEMS
+    assert events == ["cuda:prepare", *["cuda:prepare:items"] * items, "cuda:recurrence", "cuda:recurrence:wgmma1"]
     names = {int(handle): name for name, handle in kernels.kernels.items()}
-    assert [names[args[0]] for args, _ in libcuda.calls] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(1)]
+    k1 = abi.PREPARE_ITEMS_KERNEL if items else abi.PREPARE_WGMMA_KERNEL
+    assert [names[args[0]] for args, _ in libcuda.calls] == [k1, abi.wgmma_kernel_name(1)]
 
 
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):
