@@ -644,6 +644,17 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
 
 }
 
+// Chunk slot c's first token and the tokens from it on to its sequence's end (<= 0 for a slot
+// past the call's real chunks: the tables give those the last sequence).
+struct ChunkStart {
+  int64_t bos, left;
+};
+__device__ __forceinline__ ChunkStart chunk_start(const Params& p, int64_t c) {
+  const int64_t n = p.chunk_seq[c];
+  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
+  return {bos, p.seq_offsets[n + 1] - bos};
+}
+
 // The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
 // (abi.prepare_kernel_name, which picks the entry point); kWgmmaTiles, kLdsm: see prepare_body.
 template <bool kMayBeFar, bool kWgmmaTiles = false, bool kLdsm = false>
@@ -651,9 +662,7 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   __shared__ PrepareShared<kMayBeFar> s;
   const int64_t c = blockIdx.x;
   const int64_t h = blockIdx.y;
-  const int64_t n = p.chunk_seq[c];
-  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
-  const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
+  const auto [bos, left] = chunk_start(p, c);
   // A slot past the call's real chunks (the tables have room for the most the shapes allow):
   // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
   if (left <= 0) return;
@@ -689,9 +698,7 @@ struct Item {
 // whole token rows of the inputs and write consecutive workspace blocks).
 __device__ __forceinline__ Item locate(const Params& p, int64_t i) {
   const int64_t c = i / p.heads, h = i % p.heads;
-  const int64_t n = p.chunk_seq[c];
-  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
-  const int64_t left = p.seq_offsets[n + 1] - bos;
+  const auto [bos, left] = chunk_start(p, c);
   return {bos, i, static_cast<int>(max(min(static_cast<int64_t>(kChunk), left), int64_t{0})), static_cast<int>(h)};
 }
 
