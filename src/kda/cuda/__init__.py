@@ -52,7 +52,8 @@ STATE_PRODUCTS = True
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
 # KDA_CUDA_K1_ITEMS=1: where K1 has the GPU to itself and stores its tiles for the wgmma K2, its
-# resident-CTA form (abi.PREPARE_ITEMS_KERNEL), the same workspace bit for bit; off while measured.
+# resident-CTA form (abi.PREPARE_ITEMS_KERNEL), the same workspace bit for bit; off, as it made K1
+# 7-10% slower on the H200 (2026-12-05, run 144, benchmarks/NOTES.md).
 K1_ITEMS = False
 
 

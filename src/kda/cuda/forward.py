@@ -570,8 +570,8 @@ def _launch(
     flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
     K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``). A K1 launched with its K2
     after it on the stream has the GPU to itself (time blocks launch K1 alone, beside the K2 of
-    the block before): under ``KDA_CUDA_K1_ITEMS=1`` and for the wgmma K2 it runs as resident
-    CTAs that walk the items (:func:`prepare_launch`)."""
+    the block before): under ``KDA_CUDA_K1_ITEMS=1`` (off: slower, run 144) and for the wgmma K2
+    it runs as resident CTAs that walk the items (:func:`prepare_launch`)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
