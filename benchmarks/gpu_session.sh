@@ -204,7 +204,7 @@ if [[ $step == *prepareab* ]]; then  # prepare.cu (K1) builds: PREPARE_AB_DIRS="
   ab_rounds prepare-ab "${PREPARE_AB_DIRS:-.kernels}" benchmarks/prepare_ab.py
 fi
 # K2 widths (KDA_CUDA_WARPS; auto: the rule) and builds, each with an optional setting for its process:
-# WIDTH_AB="DIR:WIDTH[:NAME=VALUE] ..." (e.g. .kernels:auto:KDA_CUDA_K1_ITEMS=1); SRC=TREE in place of a
+# WIDTH_AB="DIR:WIDTH[:NAME=VALUE] ..." (e.g. .kernels:auto:KDA_CUDA_BLOCKS=1); SRC=TREE in place of a
 # setting runs that process on the package under TREE/src (another commit's Python for its kernels, as
 # `git archive REV src | tar -x -C TREE` leaves it, carried).
 if [[ $step == *widthab* ]]; then

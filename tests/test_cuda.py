@@ -51,7 +51,7 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
-                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80, abi.PREPARE_ITEMS_KERNEL: 80,
+                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80,
                     # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (ten warps on
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
@@ -101,8 +101,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL,
-                           abi.PREPARE_ITEMS_KERNEL, abi.TABLES_KERNEL,
+    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL,
                            *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills, _) in report.items() if spills} == {}
     # An injected wait turns work meant to overlap the wgmmas into work after them (2026-12-04:
@@ -561,8 +560,7 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
         results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
     launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
-    k1 = abi.PREPARE_ITEMS_KERNEL if kda.cuda.K1_ITEMS else abi.PREPARE_WGMMA_KERNEL  # (K1 alone: run_stages)
-    assert launched[2:] == [k1, abi.wgmma_kernel_name(ctas)], launched
+    assert launched[2:] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(ctas)], launched
     assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
     (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
     assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
@@ -578,11 +576,8 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
 def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
     """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
     read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
-    for bit, on every real chunk (K1 a CTA an item, whatever KDA_CUDA_K1_ITEMS says; the next test
-    holds kda_prepare_items to kda_prepare_wgmma)."""
+    for bit, on every real chunk."""
     from kda.cuda.forward import run_stages, workspace_bytes
-
-    monkeypatch.setattr(kda.cuda, "K1_ITEMS", False)
 
     case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
@@ -596,45 +591,6 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
         views[route] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
     for name, x in views["mma"].items():
         assert torch.equal(views["wgmma1"][name][:real], x[:real]), name
-
-
-@pytest.mark.gpu
-@cuda_ready
-@pytest.mark.parametrize("ctas", [None, 1, 5])
-def test_gpu_prepare_items_writes_kda_prepare_wgmmas_workspace_and_outputs(cuda_on, monkeypatch, ctas):
-    """kda_prepare_items (KDA_CUDA_K1_ITEMS=1: kda_prepare_wgmma as resident CTAs that walk the
-    items, each item's inputs copied while the one before it finishes) leaves the whole
-    workspace as kda_prepare_wgmma does, bit for bit: every real chunk's block, and the slots
-    past the call's chunks untouched (poisoned); K2 then gives the same o and final state, every
-    element written. On sequences of 0, 1, 2, 13 and 44 chunks with partial last chunks and three
-    heads (a stride wraps the heads unevenly), over the device's resident grid (None) and grids of
-    one and five CTAs, which walk every item, the empty slots among them."""
-    from kda.cuda import forward
-
-    case = cuda_case([37, 0, 16, 200, 1, 700], 3, False, "lower_bound", False, True, seed=44)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs(output_final_state=True))
-    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", "wgmma1")
-    monkeypatch.setattr(forward, "PREPARE_ITEMS_CTAS", ctas)
-    launched = spy_launches(monkeypatch)
-    results = {}
-    for items in (False, True):
-        monkeypatch.setattr(kda.cuda, "K1_ITEMS", items)
-        o = torch.full_like(p.v, float("nan"))
-        ht = torch.full(p.state_shape, float("nan"), device="cuda")
-        ws = torch.full((forward.workspace_bytes(p),), 255, dtype=torch.uint8, device="cuda")
-        with kda.record_dispatch() as events:
-            forward.run_stages(p, o, ht, ws)
-        torch.cuda.synchronize()
-        assert ("cuda:prepare:items" in events) == items, events
-        assert not o.isnan().any() and not ht.isnan().any(), f"items={items}: outputs never written"
-        results[items] = (ws, o, ht)
-    k1 = [name for name in launched if name.startswith("kda_prepare")]
-    assert k1 == [abi.PREPARE_WGMMA_KERNEL, abi.PREPARE_ITEMS_KERNEL], k1
-    tables = chunk_tables(p)
-    real = int(tables.chunk_offsets[-1]) * p.H * loader.WORKSPACE_BYTES
-    assert real < results[False][0].numel(), "the case has slots past its chunks"
-    for name, walked, one_each in zip(("workspace", "o", "state"), results[True], results[False], strict=True):
-        assert torch.equal(walked, one_each), name
 
 
 @pytest.mark.gpu
@@ -718,8 +674,7 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypa
     with kda.record_dispatch() as events:
         got = chunk_forward_runs(problems, v_zero=[False, True])
     wgmma = [f"cuda:recurrence:{width}"] if width in forward.WGMMA_OVERRIDES else []
-    items = ["cuda:prepare:items"] if wgmma and kda.cuda.K1_ITEMS else []  # (K1 alone, for the wgmma K2)
-    assert events == ["cuda:prepare", *items, "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
+    assert events == ["cuda:prepare", "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
     for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
         o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)

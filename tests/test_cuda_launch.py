@@ -62,9 +62,6 @@ def load_kernels(monkeypatch, tmp_path):
         "cuDeviceGet": lambda index: (OK, driver.CUdevice(index)),
         "cuKernelSetAttribute": lambda *args: (OK,),
         "cuCtxGetCurrent": lambda: (OK, driver.CUcontext(0x77)),
-        "cuKernelGetFunction": lambda kernel: (OK, driver.CUfunction(int(kernel))),
-        # K1's resident CTAs an SM (kda_prepare_items' grid), as the H200's driver counts them
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor": lambda function, threads, smem: (OK, 6),
     }.items():
         monkeypatch.setattr(driver, name, stub)
     for artefact in loader.ARTEFACTS:
@@ -204,22 +201,13 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
                                                      want):  # fmt: skip
     """forward.recurrence_kind on 132 SMs, and what the forward hands the driver for it: where
     two CTAs a (sequence, head) pair fill 90% of the SMs (119 CTAs: H >= 60 for one sequence),
-    K1's twin that stores its tiles for wgmma (kda_prepare_wgmma, or under KDA_CUDA_K1_ITEMS its
-    resident-CTA form kda_prepare_items, either way here), then the wgmma K2 at one CTA
+    K1's twin that stores its tiles for wgmma (kda_prepare_wgmma), then the wgmma K2 at one CTA
     an SM up to a wave and two past it (its grid, 160 threads, its shared memory), and the
     dispatch log says so; never for K1's far entry point (lb < -5.025) nor with training
     checkpoints, which it does not write; KDA_CUDA_WARPS forces either kind."""
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
-    for items in (False, True):
-        monkeypatch.setattr(kda.cuda, "K1_ITEMS", items)
-        libcuda.calls.clear()
-        wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoints, override, want, items)
-
-
-def wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoints, override, want, items):
-    """test_wgmma_recurrence_by_the_rule_and_the_switch under one setting of KDA_CUDA_K1_ITEMS."""
     from kda.triton.training import checkpoint_shape
 
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", override)
     case = make_case(seq_lens=[20], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
@@ -230,13 +218,9 @@ def wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoi
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     (k1_args, _), (k2_args, block) = libcuda.calls
     k1, k2 = names[k1_args[0]], names[k2_args[0]]
-    if want and items:
-        assert events[:3] == ["cuda:prepare", "cuda:prepare:items", "cuda:recurrence"], events
-        events = events[:1] + events[2:]
     assert events[:2] == ["cuda:prepare", "cuda:recurrence"], events
     if want:
-        k1_want = abi.PREPARE_ITEMS_KERNEL if items else abi.PREPARE_WGMMA_KERNEL
-        assert (k1, k2) == (k1_want, abi.wgmma_kernel_name(want))
+        assert (k1, k2) == (abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(want))
         assert k2_args[1:8] == (2 * H, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(want))
         assert events[2:] == [f"cuda:recurrence:wgmma{want}"], events
     else:
@@ -244,44 +228,6 @@ def wgmma_route_launches(libcuda, kernels, monkeypatch, H, lower_bound, checkpoi
         assert k2.startswith("kda_recurrence_w") and not k2.startswith("kda_recurrence_wgmma"), k2
         assert events[2:] == [], events
     assert bool(block.flags & forward.FLAG_STORE_CHECKPOINTS) == checkpoints
-
-
-@pytest.mark.parametrize(
-    "H, T, warps, checkpoints, grid",
-    [(96, 200, None, False, (6 * 132, 1)), (2, 20, "wgmma1", False, (4, 1)), (96, 200, "mma", False, None),
-     (96, 200, None, True, None)],
-)  # fmt: skip
-def test_k1_items_where_k1_has_the_gpu_and_stores_for_the_wgmma_k2(load_kernels, monkeypatch, H, T, warps,
-                                                                   checkpoints, grid):  # fmt: skip
-    """Under KDA_CUDA_K1_ITEMS=1 a call that takes the wgmma K2 launches K1 as kda_prepare_items on
-    the CTAs the device holds at once (the driver's residency, six an SM here, times 132 SMs: fewer
-    than 96 heads x 13 chunks), at most one an item (2 heads x 2 chunks: 4), and the dispatch log
-    says so; the mma.sync K2 and training checkpoints keep their K1 on a CTA a chunk and head.
-    Switched off, the same call launches kda_prepare_wgmma."""
-    from kda.triton.training import checkpoint_shape
-
-    libcuda, kernels = fake_device(load_kernels, monkeypatch)
-    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
-    asked = []
-    monkeypatch.setattr(kernels, "resident_ctas", lambda *args: asked.append(args) or 6)
-    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
-    case = make_case(seq_lens=[T], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
-    names = {int(handle): name for name, handle in kernels.kernels.items()}
-    for items in (True, False):
-        monkeypatch.setattr(kda.cuda, "K1_ITEMS", items)
-        libcuda.calls.clear()
-        with kda.record_dispatch() as events:
-            forward.chunk_forward(p, torch.empty(checkpoint_shape(p)) if checkpoints else None)
-        (k1_args, _), _ = libcuda.calls
-        if items and grid:
-            assert names[k1_args[0]] == abi.PREPARE_ITEMS_KERNEL and k1_args[1:5] == (*grid, 1, loader.PREPARE_THREADS)
-            assert events[:2] == ["cuda:prepare", "cuda:prepare:items"], events
-            assert asked[-1] == (abi.PREPARE_ITEMS_KERNEL, loader.PREPARE_THREADS, 0), asked
-        else:
-            assert names[k1_args[0]] != abi.PREPARE_ITEMS_KERNEL and k1_args[1:3] == (-(-T // 16), H), k1_args
-            assert "cuda:prepare:items" not in events, events
-    assert (len(asked) > 0) == bool(grid), asked
 
 
 def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypatch):
@@ -347,12 +293,10 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     caller's final state for the last). Every block's K2 is the wgmma one at one CTA an SM
     (forward.recurrence_kind's ``blocked``) after K1's twin that stores its tiles for it, although
     two CTAs a pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
-    (lb < -5.025) keep the mma.sync K2. KDA_CUDA_K1_ITEMS=1 leaves the blocks' K1 a CTA an item: it
-    runs beside a K2, so not all of its CTAs could be resident at once."""
+    (lb < -5.025) keep the mma.sync K2."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
-    monkeypatch.setattr(kda.cuda, "K1_ITEMS", True)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
     wgmma = warps is None and lower_bound >= -5.0
     log = []
@@ -482,8 +426,7 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
     """forward.stream_pair makes a stream through the driver (non-blocking, the context's greatest
     priority) for each (device, stream) the first time, keeps it, and past RECURRENCE_STREAMS
     answers None, where chunk_forward runs the call uncut, on the K2 its blocks would have taken
-    (the wgmma one: the same bits as in blocks) after K1's twin that stores its tiles for it
-    (under KDA_CUDA_K1_ITEMS in its resident-CTA form: K1 has the GPU to itself there)."""
+    (the wgmma one: the same bits as in blocks) after K1's twin that stores its tiles for it."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(forward, "_recurrence_streams", {})
@@ -510,11 +453,9 @@ def test_recurrence_streams_are_kda_own_non_blocking_highest_priority_and_few(lo
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     with kda.record_dispatch() as events:
         forward.chunk_forward(p)
-    items = kda.cuda.K1_ITEMS
-    assert events == ["cuda:prepare", *["cuda:prepare:items"] * items, "cuda:recurrence", "cuda:recurrence:wgmma1"]
+    assert events == ["cuda:prepare", "cuda:recurrence", "cuda:recurrence:wgmma1"], events
     names = {int(handle): name for name, handle in kernels.kernels.items()}
-    k1 = abi.PREPARE_ITEMS_KERNEL if items else abi.PREPARE_WGMMA_KERNEL
-    assert [names[args[0]] for args, _ in libcuda.calls] == [k1, abi.wgmma_kernel_name(1)]
+    assert [names[args[0]] for args, _ in libcuda.calls] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(1)]
 
 
 def test_time_blocks_only_where_the_rule_or_the_switch_says(monkeypatch):

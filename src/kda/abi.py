@@ -224,10 +224,6 @@ CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (rec
 # 12 KB of the block; the rest of the block is WORKSPACE's. One entry point a count of CTAs an SM
 # (its pipeline stages: shared memory and registers for that many).
 PREPARE_WGMMA_KERNEL = "kda_prepare_wgmma"
-# The same K1 as resident CTAs that walk the (chunk, head) items, each item's inputs copied while
-# the item before it finishes (prepare.cu kda_prepare_items; kda.cuda.forward: where K1 has the
-# GPU to itself, under KDA_CUDA_K1_ITEMS=1; off: K1 7-10% slower on the H200, run 144).
-PREPARE_ITEMS_KERNEL = "kda_prepare_items"
 WGMMA_THREADS = 160
 WGMMA_STAGE_BYTES = 17408  # a workspace block + 16 v rows of 64 columns, padded by 16 B, to 1 KB
 WGMMA_STAGES = {1: 6, 2: 4}  # CTAs an SM -> stages (at three, a step waited ~190 cycles: run 108)

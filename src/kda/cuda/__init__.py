@@ -51,24 +51,19 @@ STATE_PRODUCTS = True
 # KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
-# KDA_CUDA_K1_ITEMS=1: where K1 has the GPU to itself and stores its tiles for the wgmma K2, its
-# resident-CTA form (abi.PREPARE_ITEMS_KERNEL), the same workspace bit for bit; off, as it made K1
-# 7-10% slower on the H200 (2026-12-05, run 144, benchmarks/NOTES.md).
-K1_ITEMS = False
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``,
-    ``KDA_CUDA_STATE_PRODUCTS`` and ``KDA_CUDA_K1_ITEMS`` from the environment: once, at import, as an environment
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``
+    and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
     read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
     against a host budget of 40 us a call. Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, K1_ITEMS
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
-    K1_ITEMS = os.environ.get("KDA_CUDA_K1_ITEMS") == "1"
 
 
 read_switches()

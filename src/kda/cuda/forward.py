@@ -540,27 +540,6 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
     )  # fmt: skip
 
 
-# kda_prepare_items' grid where set (tests: a few CTAs, so each walks many items); None: the
-# CTAs the device holds at once (Kernels.resident_ctas on every SM).
-PREPARE_ITEMS_CTAS: int | None = None
-
-
-def prepare_launch(kernels, device_index: int, name: str, items: int, walk: bool) -> tuple[str, tuple | None]:
-    """``(entry point, grid)`` of K1: ``name`` on its own grid (None: a CTA an item) unless
-    ``walk``, then abi.PREPARE_ITEMS_KERNEL on as many CTAs as the device holds at once, at
-    most one an item (``items``: chunk slots times heads; hold the loader's lock, with the
-    device's context current)."""
-    if not walk:
-        return name, None
-    ctas = PREPARE_ITEMS_CTAS
-    if ctas is None:
-        per_sm = kernels.resident_ctas(abi.PREPARE_ITEMS_KERNEL, loader.PREPARE_THREADS, device_index)
-        ctas = per_sm * sm_count(device_index)
-    if ctas < 1:
-        return name, None
-    return abi.PREPARE_ITEMS_KERNEL, (min(ctas, items), 1)
-
-
 def _launch(
     p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0,
     run_recurrence=True, wgmma_ctas=None,
@@ -568,10 +547,7 @@ def _launch(
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (unless
     ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
     flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
-    K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``). A K1 launched with its K2
-    after it on the stream has the GPU to itself (time blocks launch K1 alone, beside the K2 of
-    the block before): under ``KDA_CUDA_K1_ITEMS=1`` (off: slower, run 144) and for the wgmma K2
-    it runs as resident CTAs that walk the items (:func:`prepare_launch`)."""
+    K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``)."""
     N, H, h0 = p.N, p.H, p.initial_state
     num_chunks = tables.num_chunks
     bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
@@ -592,12 +568,8 @@ def _launch(
         kernels.bind_context(device_index)
         kernels.set_params(params)
         if num_chunks and run_prepare:
-            items = bool(wgmma_ctas) and run_recurrence and switches.K1_ITEMS
-            prepare_name, prepare_grid = prepare_launch(kernels, device_index, prepare_name, num_chunks * H, items)
-            kernels.launch(prepare_name, prepare_grid or (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
+            kernels.launch(prepare_name, (num_chunks, H), loader.PREPARE_THREADS, 0, stream)
             note("cuda:prepare")
-            if prepare_grid:
-                note("cuda:prepare:items")
         if not run_recurrence:
             return
         kernels.launch(name, grid, threads, shared_bytes, stream)

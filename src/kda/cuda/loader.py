@@ -225,13 +225,7 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (
-                abi.PREPARE_KERNEL,
-                abi.PREPARE_FAR_KERNEL,
-                abi.PREPARE_WGMMA_KERNEL,
-                abi.PREPARE_ITEMS_KERNEL,
-                abi.TABLES_KERNEL,
-            ),
+            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL),
             "recurrence.fatbin": tuple(name for name, _ in SIZED_KERNELS),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
@@ -248,7 +242,6 @@ class Kernels:
         self.tables_params = TablesParams()
         self.tables_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.tables_params))
         self.configured_devices: set[int] = set()
-        self.residency: dict[tuple[str, int, int], int] = {}  # (name, threads, device) -> CTAs an SM
         self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
         self.direct_launch = driver_launch()
@@ -318,19 +311,6 @@ class Kernels:
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
-
-    def resident_ctas(self, name: str, threads: int, device_index: int) -> int:
-        """CTAs of ``name`` (``threads`` each, no dynamic shared memory) one SM of the device holds
-        at once, as the driver computes it (its registers, shared memory and carveout), once per
-        device; call with the device's context current (:meth:`bind_context`)."""
-        key = (name, threads, device_index)
-        ctas = self.residency.get(key)
-        if ctas is None:
-            driver = self.driver
-            function = check(driver.cuKernelGetFunction(self.kernels[name]), "cuKernelGetFunction")
-            ctas = check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0), "cuOccupancy")
-            self.residency[key] = ctas = int(ctas)
-        return ctas
 
     def launch(
         self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, block: str = "chunk"

@@ -312,22 +312,12 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
   }
 }
 
-// Work prepare_body leaves room for (kda_prepare_items): products() once every warp has its A and
-// M products, when the raw q, k and g tiles and ki are read no more where no row is far;
-// solve() while warp 0 solves for inverse_beta and the others would wait for it.
-struct NoHook {
-  __device__ void products() const {}
-  __device__ void solve() const {}
-};
-
 // Everything after the gate's activation; kMayBeFar: a row's decay may pass the limit;
 // kWgmmaTiles: the three tiles in the wgmma K2's layout (abi.WGMMA_TILES), not ldmatrix's;
-// kLdsm: the MMAs' float32 fragments by ldmatrix (left_fragment_ldsm), the same words; hook: see
-// NoHook.
-template <bool kMayBeFar, bool kWgmmaTiles, bool kLdsm = false, typename Hook = NoHook>
+// kLdsm: the MMAs' float32 fragments by ldmatrix (left_fragment_ldsm), the same words.
+template <bool kMayBeFar, bool kWgmmaTiles, bool kLdsm = false>
 __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMayBeFar>& s, const PairRows& pr,
-                                             const float (&G)[2][8], const float (&G16)[2], unsigned char* ws,
-                                             const Hook& hook = Hook{}) {
+                                             const float (&G)[2][8], const float (&G16)[2], unsigned char* ws) {
   using WS = WorkspaceLayout;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __builtin_assume(tid >= 0 && tid < kThreads);
@@ -428,7 +418,6 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     }
   }
   __syncthreads();
-  hook.products();
   {  // Sum of the four partials: warps 0, 1 reduce M, warps 2, 3 reduce A, four entries a thread.
     const bool is_A = warp >= 2;
     const int e = (tid % 64) * 4, i = e / kChunk, j = e % kChunk;
@@ -485,7 +474,6 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     __syncwarp(0xffffu);  // every column's solve has read A
     for (int r = 0; r < kChunk; ++r) s.A[r][j] = ib[r];
   }
-  hook.solve();
   __syncthreads();
   const float(*inverse_beta)[kRowPad] = s.A;
   {  // As a bf16 pair (hi + lo) for the recurrence, two entries a thread.
@@ -514,10 +502,8 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
 
 // Step 1 and the gate for one chunk (bos: its first token; rows of them): the inputs in shared
 // memory, beta and the l2norm factors there, and this thread's cumulative log2-decay G (and G16,
-// the chunk's total) in registers. kCopy, kActivate: the input copies (closed by a fence), the
-// rest (from the wait for them on); both for a CTA a chunk, one at a time for kda_prepare_items,
-// which copies an item's inputs while the item before it finishes.
-template <bool kMayBeFar, bool kCopy = true, bool kActivate = true>
+// the chunk's total) in registers.
+template <bool kMayBeFar>
 __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBeFar>& s, int64_t bos, int rows,
                                            int64_t h, const PairRows& pr, float (&G)[2][8], float (&G16)[2]) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -528,7 +514,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
   // tid / 16 and tid / 16 + 8 (and of fp32 g, piece tid % 32 of rows tid / 32 + 4 i).
   // 64-bit offsets: T * H * 128 can pass 2^31.
   const int64_t row_stride = p.heads * kHeadDim;  // elements between consecutive tokens
-  if constexpr (kCopy) {
+  {
     const int r0 = tid / 16, piece = tid % 16;
     const int64_t src0 = ((bos + r0) * p.heads + h) * kHeadDim + piece * 8;
     for (int i = 0; i < 2; ++i) {
@@ -541,7 +527,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
       if (!g_f32) copy_async_16(&s.g.g16[at], static_cast<const __nv_bfloat16*>(p.g) + src, valid);
     }
   }
-  if (kCopy && g_f32) {
+  if (g_f32) {
     const int r0 = tid / 32, piece = tid % 32;
     const int64_t src0 = ((bos + r0) * p.heads + h) * kHeadDim + piece * 4;
     for (int i = 0; i < 4; ++i) {
@@ -551,8 +537,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
       copy_async_16(&s.g.g32[r][piece * 4], static_cast<const float*>(p.g) + src, valid);
     }
   }
-  if constexpr (kCopy) cute::cp_async_fence();
-  if constexpr (!kActivate) return;
+  cute::cp_async_fence();
   // The per-row work goes to warp 1 and the norms to warps 2 and 3: warp 0 solves for
   // inverse_beta later (warp i of every CTA shares one scheduler, so the load is spread).
   if (warp == 1 && lane < kChunk) {
@@ -644,17 +629,6 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
 
 }
 
-// Chunk slot c's first token and the tokens from it on to its sequence's end (<= 0 for a slot
-// past the call's real chunks: the tables give those the last sequence).
-struct ChunkStart {
-  int64_t bos, left;
-};
-__device__ __forceinline__ ChunkStart chunk_start(const Params& p, int64_t c) {
-  const int64_t n = p.chunk_seq[c];
-  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
-  return {bos, p.seq_offsets[n + 1] - bos};
-}
-
 // The whole of K1 for one (chunk, head); kMayBeFar: some row's decay may pass the limit
 // (abi.prepare_kernel_name, which picks the entry point); kWgmmaTiles, kLdsm: see prepare_body.
 template <bool kMayBeFar, bool kWgmmaTiles = false, bool kLdsm = false>
@@ -662,7 +636,9 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   __shared__ PrepareShared<kMayBeFar> s;
   const int64_t c = blockIdx.x;
   const int64_t h = blockIdx.y;
-  const auto [bos, left] = chunk_start(p, c);
+  const int64_t n = p.chunk_seq[c];
+  const int64_t bos = p.seq_offsets[n] + (c - p.chunk_offsets[n]) * kChunk;
+  const int64_t left = p.seq_offsets[n + 1] - bos;  // tokens from this chunk's first on
   // A slot past the call's real chunks (the tables have room for the most the shapes allow):
   // no tokens, and nothing reads its workspace. The whole CTA leaves before any barrier.
   if (left <= 0) return;
@@ -672,95 +648,6 @@ __device__ __forceinline__ void prepare_chunk(const Params& p) {
   float G[2][8], G16[2];
   load_chunk<kMayBeFar>(p, s, bos, rows, h, pr, G, G16);
   prepare_body<kMayBeFar, kWgmmaTiles, kLdsm>(p, s, pr, G, G16, ws);
-}
-
-// load_chunk's copies alone (kda_prepare_items).
-__device__ __forceinline__ void copy_chunk(const Params& p, PrepareShared<false>& s, int64_t bos, int rows, int64_t h) {
-  float G[2][8], G16[2];  // (not formed)
-  load_chunk<false, true, false>(p, s, bos, rows, h, PairRows(threadIdx.x), G, G16);
-}
-
-// x, as a value the compiler cannot see through (so cannot hoist what is formed from it).
-__device__ __forceinline__ int opaque(int x) {
-  int y;
-  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// One (chunk slot, head) of kda_prepare_items: its first token, its rows (0 for a slot past the
-// call's chunks, whose workspace nothing reads), its head and its workspace block.
-struct Item {
-  int64_t bos, block;
-  int rows, h;
-};
-
-// Item i: head i % heads of chunk slot i / heads (head fastest: the CTAs resident at once read
-// whole token rows of the inputs and write consecutive workspace blocks).
-__device__ __forceinline__ Item locate(const Params& p, int64_t i) {
-  const int64_t c = i / p.heads, h = i % p.heads;
-  const auto [bos, left] = chunk_start(p, c);
-  return {bos, i, static_cast<int>(max(min(static_cast<int64_t>(kChunk), left), int64_t{0})), static_cast<int>(h)};
-}
-
-// K1 over items: CTA b takes items b, b + gridDim.x, ... (the host launches as many CTAs as are
-// resident at once). Each item's inputs are copied while the item before it finishes (its
-// reduction, solve and w), and the table reads that place an item are made two items ahead by
-// warp 1 while warp 0 solves, so no item waits for its copies or its tables at its start. The
-// same arithmetic as kda_prepare_wgmma, so the same workspace bit for bit.
-__device__ __forceinline__ void prepare_items(const Params& p) {
-  __shared__ PrepareShared<false> s;
-  __shared__ Item slots[2];
-  const int64_t items = p.num_chunks * p.heads, stride = gridDim.x;
-  const int tid = threadIdx.x;
-  if (tid < 2) slots[tid] = blockIdx.x + tid * stride < items ? locate(p, blockIdx.x + tid * stride) : Item{0, 0, 0, 0};
-  __syncthreads();
-  {
-    const Item first = slots[0];
-    if (first.rows) copy_chunk(p, s, first.bos, first.rows, first.h);
-  }
-  int slot = 0;
-  for (int64_t i = blockIdx.x; i < items; i += stride, slot ^= 1) {
-    const Item item = slots[slot];
-    // The thread's addresses anew each item, as kda_prepare_wgmma forms them once: held across
-    // the loop they would take registers past its 80 (ptxas spilled 128 bytes of them).
-    const PairRows pr(opaque(tid));
-    struct Hook {
-      PrepareShared<false>& s;
-      const Params& p;
-      Item* slots;
-      int64_t ahead;  // item i + 2 strides, or past the end
-      int64_t items;
-      int slot, tid;
-      __device__ void products() const {
-        const Item next = slots[slot ^ 1];
-        if (!next.rows) return;
-        copy_chunk(p, s, next.bos, next.rows, next.h);
-        // its beta into L2 too: load_chunk reads it when the item starts, where a miss would
-        // hold warp 1 and, at the barrier after it, the CTA (lanes of warp 1, as load_chunk)
-        const int r = tid - 32;
-        if (r >= 0 && r < next.rows) {
-          const int64_t at = ((next.bos + r) * p.heads + next.h) * (p.flags & kBetaFloat32 ? 4 : 2);
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p.beta) + at));
-        }
-      }
-      __device__ void solve() const {
-        // warp 1 waits for warp 0's solve anyway; item i's slot is free (read at the loop's top,
-        // barriers ago) and the barrier after the solve publishes it before products() reads it
-        if (tid == 32) slots[slot] = ahead < items ? locate(p, ahead) : Item{0, 0, 0, 0};
-      }
-    };
-    const Hook hook{s, p, slots, i + 2 * stride, items, slot, tid};
-    if (item.rows) {
-      float G[2][8], G16[2];
-      load_chunk<false, false>(p, s, item.bos, item.rows, item.h, pr, G, G16);  // (copied before)
-      prepare_body<false, true, true>(p, s, pr, G, G16, p.workspace + item.block * kWorkspaceBytes, hook);
-    } else {  // no tokens: the next item's copies at once (no warp reads the raw tiles), then its place
-      __syncthreads();  // every thread has read this slot
-      hook.products();
-      hook.solve();
-      __syncthreads();
-    }
-  }
 }
 
 }  // namespace
@@ -780,10 +667,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const 
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(const Params p) {
   prepare_chunk<false, true, true>(p);
 }
-// kda_prepare_wgmma as resident CTAs that walk the items (prepare_items); for a K1 that has the
-// GPU to itself (not beside a K2: kda.cuda.forward), as CTAs that cannot be resident at once
-// would start their whole share late.
-extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_items(const Params p) { prepare_items(p); }
 
 }  // namespace kda
 
