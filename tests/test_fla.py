@@ -239,6 +239,36 @@ def test_gpu_fla_chunk_kda_runs_the_cuda_kernels(fla_kda, caplog):
 
 
 @pytest.mark.gpu
+@cuda_ready
+def test_gpu_varlen_calls_through_fla_with_host_offsets_make_no_host_sync(fla_kda):
+    """A serving engine's varlen prefill through fla's own chunk_kda, new lengths every call,
+    with ``cu_seqlens_cpu``: no host synchronisation anywhere on the way (fla's dispatcher, kda's
+    verifier, kda's call), under torch's sync debug mode set to error; the results are kda's own
+    calls'. The same call without ``cu_seqlens_cpu`` must be caught (the verifier copies the
+    offsets to the host to check them), which shows the mode is watching."""
+    cases = [make_case(seq_lens=lens, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=60 + i)
+             for i, lens in enumerate(([100, 7, 300], [1, 250, 33, 0, 64], [513]))]  # fmt: skip
+    for c in cases:  # warm up: compiles and first-call setup may synchronise
+        fla_kda.chunk_kda(*c.tensors(), **c.kwargs(cu_seqlens_cpu=c.cu_seqlens.cpu()))
+    hosts = [c.cu_seqlens.cpu() for c in cases]  # copied before the watch
+    results = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with kda.record_dispatch() as events:
+            for c, host in zip(cases, hosts, strict=True):
+                results.append(fla_kda.chunk_kda(*c.tensors(), **c.kwargs(cu_seqlens_cpu=host)))
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            fla_kda.chunk_kda(*cases[0].tensors(), **cases[0].kwargs())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert events.count("chunk_kda -> cuda") == len(cases), events
+    for c, got in zip(cases, results, strict=True):
+        want = kda.chunk_kda(*c.tensors(), **c.kwargs())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.gpu
 def test_gpu_fla_pooled_decode_runs_the_decode_kernel(fla_kda):
     """On a GPU fla's decode entry point with a state pool (what serving engines call) runs
     kda's decode kernel, equal to kda's own pool call."""
