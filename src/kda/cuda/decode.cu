@@ -39,6 +39,11 @@ static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread 
 #ifndef KDA_DECODE_TRACE
 #define KDA_DECODE_TRACE 0
 #endif
+// A candidate (2026-12-05, not yet measured): the staging barrier initialised and fenced at the
+// CTA's start (-DKDA_DECODE_EARLY_INIT=1; see decode_slice), for an A/B against the default.
+#ifndef KDA_DECODE_EARLY_INIT
+#define KDA_DECODE_EARLY_INIT 0
+#endif
 #if KDA_DECODE_TRACE
 __device__ __forceinline__ int64_t global_ns() {
   uint64_t t;
@@ -172,6 +177,19 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
   int64_t trace_c[4] = {};
 #endif
+  __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
+  // KDA_DECODE_EARLY_INIT: its initialisation and fence first, before this thread has any global
+  // load in flight. ptxas puts a FENCE.VIEW.ASYNC.S before the initialisation where loads precede
+  // it (none at the start). If that fence waits for the warp's loads in flight (the first
+  // token's, the slot index), the copy, issued by the same lane, waits too (run 63's trace: the
+  // copy issued 2108 cycles into a plain call's CTA, 3240 into a pool's). A barrier initialised
+  // for a CTA that then stages nothing (no slot) is never waited on. Not for float32 [V, K] slices
+  // of 32 columns, which spilled 32 B with it at their 80 registers (nvcc 13.0).
+  constexpr bool kEarlyInit = KDA_DECODE_EARLY_INIT && !(VFirst && sizeof(E) == 4 && BV == 32);
+  if (kEarlyInit && tid == 0 && (p.flags & kHasH0)) {
+    cute::initialize_barrier(staged_bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
   // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
   // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
@@ -260,11 +278,12 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   // instructions a run on the L1 pipe); run 53: one copy of a whole bf16 head 0.1589 -> 0.1485
   // against row copies.
   const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
-  __shared__ uint64_t staged_bar;
   if (read) {
     if (tid == 0) {
-      cute::initialize_barrier(staged_bar, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      if constexpr (!kEarlyInit) {
+        cute::initialize_barrier(staged_bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
       cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
     }
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
