@@ -64,7 +64,7 @@ def chunk_kda(
         disable_recompute: accepted for compatibility; the forward result does not depend on it.
         return_intermediate_states: not supported (raises ValueError).
         state_v_first: states in VK layout ``[N, HV, V, K]`` (the kernels' native layout).
-        cu_seqlens: int64 ``[N + 1]`` offsets of N packed sequences (then ``B == 1``).
+        cu_seqlens: int64 or int32 ``[N + 1]`` offsets of N packed sequences (then ``B == 1``).
         cu_seqlens_cpu: a CPU copy of ``cu_seqlens``: the offsets are checked from it, with no
             device-to-host sync (without it they are copied once, unless
             ``KDA_CHECK_CU_SEQLENS=0``; README, "Varlen"). The kernels read ``cu_seqlens``.
@@ -227,20 +227,22 @@ def fused_recurrent_kda(
 
     Same tensors, flags, state layouts and results as :func:`chunk_kda` (``A_log`` and
     ``dt_bias`` are positional here, as in fla), so a prefill's final state feeds decode
-    directly. The ``torch`` backend runs the token-by-token reference; the others run their
-    chunked kernels, which compute the same function.
+    directly. The ``torch`` backend runs the token-by-token reference. The others run their
+    decode kernels (the state read once and written once) for pool calls and for calls without
+    grad of at most ``kda.dispatch.RECURRENT_DECODE_TOKENS`` tokens a sequence, and their chunked
+    kernels, which compute the same function, otherwise (README, "Decode without a pool").
 
     State pools (serving, spec section 7): with ``inplace_final_state=True``,
     ``initial_state`` is a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``;
-    float32) updated in place, and the call returns ``(o, pool)``. ``ssm_state_indices``
+    float32 or bfloat16) updated in place, and the call returns ``(o, pool)``. ``ssm_state_indices``
     ``[N]`` (int32 or int64): sequence n starts from and ends in ``pool[idx[n]]``; ``[N, S]``
     (speculative decoding, S at least the longest sequence): it starts from ``pool[idx[n,
     num_accepted_tokens[n] - 1]]`` (``idx[n, 0]`` without ``num_accepted_tokens``) and the
     state after its t-th token is written to ``pool[idx[n, t]]``. Without indices sequence n
     is slot n. An index outside ``[0, P)`` (negative: padding) is no slot: the sequence
     starts from zeros and nothing is written. Slots not named are never touched. The index
-    values are read on the device only; Triton runs pools in one launch
-    (``kda.triton.decode``), torch in its token loop. Varlen: pass ``cu_seqlens_cpu`` (kda
+    values are read on the device only; the decode kernels run pools in one launch
+    (``kda.triton.decode``, ``kda.cuda.decode``), torch in its token loop. Varlen: pass ``cu_seqlens_cpu`` (kda
     only, as in :func:`chunk_kda`) as well, or ``cu_seqlens`` is copied to the host once per
     call to be checked (a sync; none under a CUDA-graph capture or ``KDA_CHECK_CU_SEQLENS=0``).
     """

@@ -5,8 +5,9 @@ Why (benchmarks/NOTES.md, run 100, H200, 2026-12-04): the same kda-cuda call on 
 0.910 ms in its first do_bench of a fresh process and 0.975-0.982 ms in every later one, before
 fla had run at all and with the caching allocator unchanged (no device allocation between them).
 nvidia-smi showed the SM clock at 1980 MHz for the first and 1815-1860 MHz under the software
-power cap (throttle reason 0x4) for the others, the board drawing up to 690 W; fla's call, at
-about 300 W, kept 1980 MHz. A figure is then a figure at a clock, and the clock depends on what
+power cap (throttle reason 0x4) for the others, the board drawing up to 690 W; fla's call kept 1980 MHz
+(at 614-654 W when run back to back, run 117; the "about 300 W" first noted was read from short
+windows). A figure is then a figure at a clock, and the clock depends on what
 the card ran in the seconds before.
 
 ``ClockSampler`` runs ``nvidia-smi -lms`` in the background for the device and keeps its samples
