@@ -36,6 +36,22 @@ def test_explicit_unavailable_backend_says_why():
         kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
 
 
+def test_triton_by_name_refuses_meta_tensors_under_the_interpreter():
+    """The interpreter runs CPU tensors only: meta tensors asked of the Triton backend by name are
+    refused with the reason (they reached the kernels and failed inside torch's copy until a
+    review of 2026-12-05). The torch backend takes them (shapes only)."""
+    from kda.triton.common import interpreting
+
+    if not interpreting():
+        pytest.skip("the CPU interpreter is off: without it any non-CUDA tensor is refused already")
+    case = make_case(T=8, H=1, K=16, V=16, seed=2)
+    meta = [x.to("meta") for x in case.tensors()]
+    with pytest.raises(kda.BackendUnavailableError, match="triton.*tensors on meta"):
+        kda.chunk_kda(*meta, backend="triton")
+    o, _ = kda.chunk_kda(*meta, backend="torch")
+    assert o.device.type == "meta" and o.shape == case.v.shape
+
+
 def test_float64_goes_to_torch_with_logged_reason(caplog):
     case = make_case(T=8, H=1, K=16, V=16, dtype=torch.float64, seed=1)
     dispatch._logged.clear()

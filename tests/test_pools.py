@@ -154,6 +154,8 @@ def test_in_place_without_indices_is_slot_n():
         ({"initial_state": torch.zeros(4, 4, 16, 24, dtype=torch.float64)}, TypeError, "the state pool"),
         ({"initial_state": None}, ValueError, "needs the state pool"),
         ({"ssm_state_indices": None}, ValueError, "needs N=2 slots"),
+        # (accepted and ignored until a review of 2026-12-05; the prefill into a pool refused it)
+        ({"final_state_dtype": torch.bfloat16}, TypeError, "the pool's dtype torch.float32"),
     ],
 )
 def test_pool_arguments_are_checked(over, exc, says):
@@ -181,6 +183,25 @@ def test_pools_have_no_backward_and_cuda_passes_them_on():
     p = check_pool(p, pool, torch.tensor([0, 1], device=DEVICE), None)
     # float32 inputs, K = 16: the CUDA decode kernel's refusal names the first thing it lacks
     assert BACKEND.rejects(p).startswith("dtype torch.float32"), BACKEND.rejects(p)
+
+
+def test_a_pool_that_requires_grad_decodes_under_no_grad():
+    """A pool kept as a parameter (requires_grad) is refused only with grad mode on, as the
+    inputs are: under no_grad the call runs and equals the same call on a pool that does not
+    require grad (it was refused under no_grad too until a review of 2026-12-05)."""
+    case, pool = pool_case([3, 2], P=4, seed=71)
+    c = case.to(device="cpu")
+    idx = torch.tensor([2, 0])
+    trained, plain = pool.cpu().clone().requires_grad_(), pool.cpu().clone()
+    with pytest.raises(ValueError, match="no backward"):
+        kda.fused_recurrent_kda(*c.tensors(), initial_state=trained, inplace_final_state=True, ssm_state_indices=idx,
+                                backend="torch", **decode_kwargs(c))  # fmt: skip
+    with torch.no_grad():
+        o_t, _ = kda.fused_recurrent_kda(*c.tensors(), initial_state=trained, inplace_final_state=True,
+                                         ssm_state_indices=idx, backend="torch", **decode_kwargs(c))  # fmt: skip
+        o_p, _ = kda.fused_recurrent_kda(*c.tensors(), initial_state=plain, inplace_final_state=True,
+                                         ssm_state_indices=idx, backend="torch", **decode_kwargs(c))  # fmt: skip
+    assert torch.equal(o_t, o_p) and torch.equal(trained, plain) and not torch.equal(plain, pool.cpu())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -241,6 +262,35 @@ def test_prefill_indices_are_checked(idx, says):
         kda.chunk_kda(*case.tensors(), initial_state=torch.zeros(4, 1, 16, 16), initial_state_indices=idx,
                       backend="torch", **kw)  # fmt: skip
     assert says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"cu_seqlens": torch.tensor([[0, 3, 5]])}, "`cu_seqlens` must be 1-D"),
+        ({"cu_seqlens": torch.tensor([0.0, 3.0, 5.0])}, "`cu_seqlens` must be int64 or int32"),
+        ({"initial_state": torch.zeros(4, 3, 16, 24)}, "(the state pool) must be [P, HV, "),
+        ({"initial_state": torch.zeros(4, 2, 16)}, "(the state pool) must be [P, HV, "),
+    ],
+)
+def test_prefill_names_a_bad_cu_seqlens_or_pool_shape(over, says, layout):
+    """A review of 2026-12-05: the prefill into a pool took N from `cu_seqlens` and gathered
+    the pool's slots before either was checked, so a 2-D `cu_seqlens` was reported as a bad
+    `initial_state_indices` and a pool of the wrong HV by the gathered states' shape. Each is
+    now named, the pool with the shape that was passed, in either state layout."""
+    case = make_case(seq_lens=[3, 2], H=2, HV=2, K=16, V=24, seed=72, state_v_first=layout)
+    kw = {n: x for n, x in case.kwargs().items() if n not in ("initial_state", "output_final_state")}
+    shape = (4, 2, 24, 16) if layout else (4, 2, 16, 24)
+    args = {"initial_state": torch.zeros(shape), "initial_state_indices": torch.tensor([0, 1])} | over
+    kw.update({n: x for n, x in args.items() if n == "cu_seqlens"})
+    with pytest.raises((TypeError, ValueError)) as info:
+        kda.chunk_kda(*case.tensors(), initial_state=args["initial_state"],
+                      initial_state_indices=args["initial_state_indices"], backend="torch", **kw)  # fmt: skip
+    message = str(info.value)
+    assert says in message, message
+    if "initial_state" in over:  # the pool as passed, not the gathered [N, ...] states
+        assert message.endswith(str(list(over["initial_state"].shape))), message
 
 
 def test_prefill_takes_strided_indices_and_an_empty_pool_and_refuses_what_the_plain_call_does():

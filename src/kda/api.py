@@ -278,8 +278,10 @@ def pooled_problem(
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
-    problem.requires_grad = problem.requires_grad or pool.requires_grad
-    return validation.check_pool(problem, pool, ssm_state_indices, num_accepted_tokens)
+    # a pool that requires grad trains only with grad mode on (as check_problem asks of the inputs;
+    # under no_grad it was refused until a review of 2026-12-05)
+    problem.requires_grad = problem.requires_grad or (torch.is_grad_enabled() and getattr(pool, "requires_grad", False))
+    return validation.check_pool(problem, pool, ssm_state_indices, num_accepted_tokens, final_state_dtype)
 
 
 # chunk_kda's parameters after the five tensors that a call it makes again passes on
@@ -306,7 +308,9 @@ def _prefill_into_pool(
     call without indices does (return_intermediate_states was dropped, and final_state_dtype
     ignored, until a review of 2026-12-04)."""
     inputs = (k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"))
-    N, indices = validation.pool_prefill_sequences(q, pool, indices, cu_seqlens, inputs, final_state_dtype)
+    N, indices = validation.pool_prefill_sequences(
+        q, pool, indices, cu_seqlens, inputs, final_state_dtype, state_v_first
+    )
     P = pool.shape[0]
     if P == 0:  # no slot to read (index_select of an empty pool fails): every sequence from zeros
         h0 = pool.new_zeros(N, *pool.shape[1:])

@@ -162,6 +162,16 @@ OFFSET_DTYPES = (torch.int64, torch.int32)
 CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "")
 
 
+def _offsets_tensor(cu_seqlens: object) -> torch.Tensor:
+    """``cu_seqlens`` as a tensor of offsets: int64 or int32, 1-D, at least 2 entries."""
+    cu = cu_seqlens if isinstance(cu_seqlens, Tensor) else _require_tensor("cu_seqlens", cu_seqlens)
+    if cu.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"`cu_seqlens` must be int64 or int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"`cu_seqlens` must be 1-D with at least 2 entries [N+1], got shape {list(cu.shape)}")
+    return cu
+
+
 def _check_cu_seqlens(
     cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, ...] | None]:
@@ -170,12 +180,8 @@ def _check_cu_seqlens(
         if cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
         return None, None, None
-    cu = cu_seqlens if isinstance(cu_seqlens, Tensor) else _require_tensor("cu_seqlens", cu_seqlens)
-    if cu.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"`cu_seqlens` must be int64 or int32, got {cu.dtype}")
+    cu = _offsets_tensor(cu_seqlens)
     shape = cu.shape
-    if len(shape) != 1 or shape[0] < 2:
-        raise ValueError(f"`cu_seqlens` must be 1-D with at least 2 entries [N+1], got shape {list(shape)}")
     if cu.device != device:
         _require_device("cu_seqlens", cu, device)
     if B != 1:
@@ -474,13 +480,26 @@ def _check_dict(op: str, args: dict, A_log: object, dt_bias: object, kwargs: dic
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> Problem:
+def _require_pool_final_dtype(final_state_dtype: object, pool: torch.Tensor, how: str) -> None:
+    """A call that writes its final states into a pool (``how``: by which argument) returns them
+    in the pool's dtype: ``final_state_dtype`` must be None or that dtype."""
+    if final_state_dtype is not None and final_state_dtype != pool.dtype:
+        raise TypeError(
+            f"`final_state_dtype` with {how} must be None or the pool's dtype {pool.dtype} "
+            f"(the final states are written into the pool), got {final_state_dtype}"
+        )
+
+
+def check_pool(
+    p: Problem, pool: object, indices: object, accepted: object, final_state_dtype: object = None
+) -> Problem:
     """Attach a state pool to ``p`` (a fused_recurrent_kda call checked without its initial
     state): ``pool`` ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first), contiguous, in
     the state dtype; ``indices`` None (sequence n is slot n; then P must be N), ``[N]`` or
     ``[N, S]`` with S at least the longest sequence; ``accepted`` ``[N]``, only with 2-D
-    indices. The index values are not read here (that would synchronise): the kernels treat
-    one outside ``[0, P)`` as no slot."""
+    indices; ``final_state_dtype`` (as the caller gave it) None or the pool's. The index values
+    are not read here (that would synchronise): the kernels treat one outside ``[0, P)`` as no
+    slot."""
     if p.requires_grad:
         raise ValueError("state pools (`inplace_final_state=True`) have no backward: call without grad")
     x = _require_tensor("initial_state", pool)
@@ -497,6 +516,7 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
         _require_device("initial_state", x, p.q.device)
     if not x.is_contiguous():
         raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
+    _require_pool_final_dtype(final_state_dtype, x, "a state pool (`inplace_final_state=True`)")
     P = x.shape[0]
     idx = None
     if indices is None:
@@ -536,23 +556,35 @@ def check_pool(p: Problem, pool: object, indices: object, accepted: object) -> P
 
 
 def pool_prefill_sequences(
-    q: object, pool: object, indices: object, cu_seqlens: object, inputs: tuple = (), final_state_dtype: object = None
-) -> tuple[int, torch.Tensor]:
-    """Check chunk_kda's ``initial_state_indices`` and its pool (the state's own shape checks
-    follow on the gathered states; ``inputs``: the call's other tensors, for the grad check;
-    ``final_state_dtype``: None or the pool's, as the final states go into the pool);
-    returns N, the number of sequences, and the indices contiguous (the GPU's scatter kernel
-    reads them at unit stride: a strided view wrote other slots, a review of 2026-12-04)."""
+    q: object, pool: object, indices: object, cu_seqlens: object, inputs: tuple = (), final_state_dtype: object = None,
+    state_v_first: bool = False,
+) -> tuple[int, torch.Tensor]:  # fmt: skip
+    """Check chunk_kda's ``initial_state_indices`` and its pool (the state's other checks follow
+    on the gathered states; ``inputs``: the call's other tensors, k and v first, for the grad
+    check and the pool's [HV, K, V]; ``final_state_dtype``: None or the pool's, as the final
+    states go into the pool); returns N, the number of sequences, and the indices contiguous
+    (the GPU's scatter kernel reads them at unit stride: a strided view wrote other slots, a
+    review of 2026-12-04). ``cu_seqlens`` and the pool's state shape are checked here, before
+    N is taken from the one and states are gathered from the other (both were reported as
+    errors in other arguments until a review of 2026-12-05)."""
     x = _require_tensor("initial_state", pool)
     idx = _require_tensor("initial_state_indices", indices)
     q = _require_tensor("q", q)
-    N = q.shape[0] if cu_seqlens is None else _require_tensor("cu_seqlens", cu_seqlens).shape[0] - 1
+    N = q.shape[0] if cu_seqlens is None else _offsets_tensor(cu_seqlens).shape[0] - 1
     if idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"`initial_state_indices` must be int32 or int64, got {idx.dtype}")
     if idx.shape != (N,):
         raise ValueError(f"`initial_state_indices` must be [N={N}], got {list(idx.shape)}")
-    if x.dim() != 4:
-        raise ValueError(f"`initial_state` (the state pool) must be 4-D [P, HV, K, V], got {list(x.shape)}")
+    v = inputs[1] if len(inputs) > 1 else None
+    layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+    if isinstance(v, Tensor) and v.dim() == 4 and q.dim() == 4:  # (their own shapes are checked with the call)
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        want = (HV, V, K) if state_v_first else (HV, K, V)
+        if x.dim() != 4 or tuple(x.shape[1:]) != want:
+            raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={HV}, K={K}, V={V}, "
+                             f"got shape {list(x.shape)}")  # fmt: skip
+    elif x.dim() != 4:
+        raise ValueError(f"`initial_state` (the state pool) must be 4-D {layout}, got {list(x.shape)}")
     if idx.device != x.device or x.device != q.device:
         _require_device("initial_state_indices", idx, q.device)
         _require_device("initial_state", x, q.device)
@@ -562,9 +594,5 @@ def pool_prefill_sequences(
         raise ValueError("a prefill into a state pool (`initial_state_indices`) has no backward: call without grad")
     if not x.is_contiguous():
         raise ValueError("`initial_state` (the state pool) must be contiguous: it is updated in place")
-    if final_state_dtype is not None and final_state_dtype != x.dtype:
-        raise TypeError(
-            f"`final_state_dtype` with `initial_state_indices` must be None or the pool's dtype {x.dtype} "
-            f"(the final states are written into the pool), got {final_state_dtype}"
-        )
+    _require_pool_final_dtype(final_state_dtype, x, "`initial_state_indices`")
     return N, idx.contiguous()

@@ -88,8 +88,8 @@ class TritonBackend:
     def rejects(self, p: Problem) -> str | None:
         if p.q.dtype not in SUPPORTED_DTYPES:
             return f"dtype {p.q.dtype} (needs float16, bfloat16 or float32)"
-        if p.q.device.type != "cuda" and not interpreting():
-            return f"tensors on {p.q.device} (needs CUDA tensors, or TRITON_INTERPRET=1)"
+        if p.q.device.type != "cuda" and not (interpreting() and p.q.device.type == "cpu"):
+            return f"tensors on {p.q.device} (needs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)"
         return None
 
     def auto_rejects(self, p: Problem) -> str | None:
