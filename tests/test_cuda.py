@@ -595,6 +595,25 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
 
 @pytest.mark.gpu
 @cuda_ready
+def test_gpu_a_workspace_off_its_alignment_is_refused(cuda_on):
+    """K1 may store its wgmma tiles by address bits (prepare.cu wgmma_step_store), which holds
+    where the workspace starts on abi.WORKSPACE_ALIGN bytes: a view 64 bytes in is refused
+    before any launch, and the aligned view runs."""
+    from kda.cuda.forward import run_stages, workspace_bytes
+
+    case = cuda_case([37, 16], 2, False, "lower_bound", False, True, seed=45)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    room = torch.empty(workspace_bytes(p) + abi.WORKSPACE_ALIGN, dtype=torch.uint8, device="cuda")
+    o, ht = torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda")
+    with pytest.raises(ValueError, match=f"start on {abi.WORKSPACE_ALIGN} bytes"):
+        run_stages(p, o, ht, room[64:])
+    run_stages(p, o, ht, room[abi.WORKSPACE_ALIGN :])
+    torch.cuda.synchronize()
+    assert o.isfinite().all()
+
+
+@pytest.mark.gpu
+@cuda_ready
 def test_gpu_wgmma_recurrence_runs_by_the_rule(cuda_on, switches):
     """Where two CTAs a (sequence, head) pair fill the SMs the call takes the wgmma K2 (the
     dispatch log says so, after the launch), as float64 says it should; with too few heads, a

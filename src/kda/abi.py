@@ -192,6 +192,10 @@ def _layout() -> tuple[dict, int]:
 
 WORKSPACE_FIELDS, WORKSPACE_BYTES = _layout()  # name -> (byte offset, dtype, shape); bytes per block
 assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
+# A workspace (so each block, WORKSPACE_BYTES apart) starts on this many bytes: K1's wgmma tiles may
+# be stored by address bits (prepare.cu wgmma_step_store); kda.cuda.forward.workspace_address checks.
+WORKSPACE_ALIGN = 128
+assert WORKSPACE_BYTES % WORKSPACE_ALIGN == 0, "every block starts aligned where the workspace does"
 assert WORKSPACE_FIELDS["inverse_beta_hi"][0] == 3 * CHUNK * HEAD_DIM * 2, "the three tiles lead the block"
 
 PREPARE_THREADS = 128  # threads of a prepare CTA (one per K column)
@@ -328,6 +332,7 @@ def header() -> str:
         f"  static constexpr int bytes = {WORKSPACE_BYTES};",
         "};",
         "constexpr int kWorkspaceBytes = WorkspaceLayout::bytes;",
+        f"constexpr int kWorkspaceAlign = {WORKSPACE_ALIGN};",
         "",
         f"constexpr int kProductWarps = {PRODUCT_WARPS};",
         f"constexpr int kProductStages = {PRODUCT_STAGES};",

@@ -525,6 +525,16 @@ def state_flags(p: Problem, h0: torch.Tensor | None, ht: torch.Tensor | None) ->
     return bits
 
 
+def workspace_address(workspace: torch.Tensor) -> int:
+    """The address of a K1 workspace, which must start on ``abi.WORKSPACE_ALIGN`` bytes (torch's
+    CUDA allocations do; a view at an offset might not). CPU tensors, which stand in for the
+    device in the host-side tests and reach no kernel, are not asked."""
+    address = workspace.data_ptr()
+    if address % abi.WORKSPACE_ALIGN and workspace.is_cuda:
+        raise ValueError(f"the K1 workspace must start on {abi.WORKSPACE_ALIGN} bytes, got address {address:#x}")
+    return address
+
+
 def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=None) -> tuple:
     """loader.Params field by field: ``p``'s inputs, with v, the state read and written, the
     output, the workspace and the checkpoints given, and q where given (the training backward's
@@ -533,7 +543,7 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
         (p.q if q is None else q).data_ptr(), p.k.data_ptr(), v.data_ptr(), p.g.data_ptr(), p.beta.data_ptr(),
         0 if p.A_log is None else p.A_log.data_ptr(), 0 if p.dt_bias is None else p.dt_bias.data_ptr(),
         0 if h0 is None else h0.data_ptr(), 0 if ht is None else ht.data_ptr(),
-        0 if o is None else o.data_ptr(), workspace.data_ptr(), *tables.addresses,
+        0 if o is None else o.data_ptr(), workspace_address(workspace), *tables.addresses,
         0 if checkpoints is None else checkpoints.data_ptr(), tables.checkpoint_address,
         tables.num_chunks, p.N, p.H, bits,
         p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,

@@ -132,8 +132,59 @@ static_assert(__builtin_offsetof(PrepareShared<true>, ki_tile) % 16 == 0, "ki's 
 
 // Byte offset of bf16 element (r, c) of a [rows, 128] tile as the wgmma K2 reads it
 // (abi.WGMMA_TILES): two 64-column halves of [rows, 128 B], 16-byte piece p of row r at p ^ (r % 8).
-__device__ __forceinline__ int wgmma_tile_offset(int rows, int r, int c) {
+__host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
   return (c >> 6) * rows * 128 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+}
+
+// KDA_K1_STORE_OFFSETS=1 (a candidate, 2026-12-05, not yet measured): kda_prepare_wgmma's stores
+// addressed from one offset a thread, as below, and each warp's w tiles as constants; 0 (the
+// default) keeps wgmma_tile_offset at every store. The same stores to the same places.
+#ifndef KDA_K1_STORE_OFFSETS
+#define KDA_K1_STORE_OFFSETS 0
+#endif
+// In a wgmma tile the swizzle XORs a row's 16-byte piece index (offset bits 4-6) with the row
+// % 8, and an offset's part below bit 4 (the column within a piece, even) never carries into it.
+// So from the offset of row r0 (r0 % 8 == 0), row r0 + r8 of the same columns is
+// wgmma_row_step(offset, r8); and from the offset of columns 2t, 2t + 1 of tile 0 of a
+// [32, 128] tile, channels 8 tile + 2t, + 1 of the same row are wgmma_tile_step(offset, tile).
+__host__ __device__ constexpr int wgmma_row_step(int row0, int r8) { return (row0 ^ (r8 << 4)) + r8 * 128; }
+__host__ __device__ constexpr int wgmma_tile_step(int tile0, int tile) {
+  return (tile0 ^ ((tile & 7) << 4)) + (tile >> 3) * (2 * kChunk * 128);
+}
+constexpr bool wgmma_steps_exact() {
+  for (int half = 0; half < 2; ++half)
+    for (int c = 0; c < kHeadDim; c += 2)
+      for (int r8 = 0; r8 < 8; ++r8) {
+        const int r0 = 8 * half;  // q_decayed: rows 16 + r0 .. of [w; q_decayed]; k_restored: rows r0 ..
+        if (wgmma_row_step(kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r0, c), r8) !=
+                kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r0 + r8, c) ||
+            wgmma_row_step(kWgmmaTilesKr + wgmma_tile_offset(kChunk, r0, c), r8) !=
+                kWgmmaTilesKr + wgmma_tile_offset(kChunk, r0 + r8, c))
+          return false;
+      }
+  for (int g = 0; g < 8; ++g)  // w: rows g and g + 8 of [w; q_decayed]
+    for (int t = 0; t < 4; ++t)
+      for (int tile = 0; tile < kHeadDim / 8; ++tile) {
+        const int at = wgmma_tile_step(kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 2 * t), tile);
+        if (at != kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 8 * tile + 2 * t) ||
+            at + 8 * 128 != kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g + 8, 8 * tile + 2 * t))
+          return false;
+      }
+  return true;
+}
+static_assert(wgmma_steps_exact(), "wgmma_row_step and wgmma_tile_step address what wgmma_tile_offset does");
+// The same steps on an address, where the block's start is 128-byte aligned (kWorkspaceBytes is a
+// multiple of kWorkspaceAlign, and the host checks the workspace's start:
+// kda.cuda.forward.workspace_address): the XOR then touches bits 4-6 of the address alone (one
+// instruction on its low word), and the added multiples of 128 fold into the store's immediate
+// offset. The store is a global one by name:
+// formed from an integer, the address is no longer known to be global, and a generic store was
+// compiled (and __stwb's st.global.wb a strong one, STG.E.STRONG.SM; nvcc 13.0).
+static_assert(kWorkspaceAlign % 128 == 0 && kWorkspaceBytes % kWorkspaceAlign == 0,
+              "every workspace block starts 128-byte aligned");
+__device__ __forceinline__ void wgmma_step_store(unsigned char* at0, int x, int add, uint32_t value) {
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(at0) ^ uintptr_t(x << 4)) + add;
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(value));
 }
 
 __device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
@@ -291,6 +342,7 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
                                         int g, int t) {
   // tile_offset(g, 8 tile + 2 t) = w_row + 16 (tile ^ g); row g + 8 has the same swizzle.
   unsigned char* const w_row = ws + WorkspaceLayout::w + g * kHeadDim * 2 + 2 * t * 2;
+  [[maybe_unused]] const int wq_row = kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 2 * t);  // tile 0's
 #pragma unroll
   for (int tile = tile0; tile < tile0 + kTiles; ++tile) {
     const int n0 = tile * 8;
@@ -300,10 +352,17 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
       mma_3xtf32_single(d, a[k0 / 8], b);
     }
     if constexpr (kWgmmaTiles) {  // rows 0-15 of [w; q_decayed]
+#if KDA_K1_STORE_OFFSETS
+      // wgmma_tile_step(wq_row, tile) from ws, and row g + 8
+      const int add = (tile >> 3) * (2 * kChunk * 128);
+      wgmma_step_store(ws + wq_row, tile & 7, add, pack_bf16(d[0], d[1]));
+      wgmma_step_store(ws + wq_row, tile & 7, add + 8 * 128, pack_bf16(d[2], d[3]));
+#else
       const int c = n0 + 2 * t;
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, c)) = pack_bf16(d[0], d[1]);
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g + 8, c)) =
           pack_bf16(d[2], d[3]);
+#endif
     } else {
       uint32_t* const w_at = reinterpret_cast<uint32_t*>(w_row + ((tile ^ g) << 4));
       w_at[0] = pack_bf16(d[0], d[1]);
@@ -334,6 +393,9 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
   // tile_offset(r0 + r8, c0) = ws_pair + 256 r8 + 16 ((c0 / 8) ^ r8), as r0 % 8 = 0.
   unsigned char* const ws_pair = ws + pr.r0 * kHeadDim * 2 + pr.c0 % 8 * 2;
   const int piece = pr.c0 / 8;
+  // rows r0 of q_decayed and k_restored in the wgmma tiles (wgmma_row_step takes them to r0 + r8)
+  [[maybe_unused]] const int qd_row = kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + pr.r0, pr.c0);
+  [[maybe_unused]] const int kr_row = kWgmmaTilesKr + wgmma_tile_offset(kChunk, pr.r0, pr.c0);
   for (int r8 = 0; r8 < 8; ++r8) {
     const int r = pr.r0 + r8;
     const uint32_t q2 = *reinterpret_cast<const uint32_t*>(&s.q[pr.raw(r8)]);
@@ -361,10 +423,16 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     *reinterpret_cast<float2*>(&s.kd[r][pr.c0]) = make_float2(kd[0], kd[1]);
     *reinterpret_cast<float2*>(&s.ki()[r][pr.c0]) = make_float2(ki[0], ki[1]);
     if constexpr (kWgmmaTiles) {  // q_decayed: rows 16-31 of [w; q_decayed]
+#if KDA_K1_STORE_OFFSETS
+      // wgmma_row_step(qd_row, r8) and wgmma_row_step(kr_row, r8) from ws
+      wgmma_step_store(ws + qd_row, r8, r8 * 128, pack_bf16(qd[0], qd[1]));
+      wgmma_step_store(ws + kr_row, r8, r8 * 128, pack_bf16(restored[0], restored[1]));
+#else
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r, pr.c0)) =
           pack_bf16(qd[0], qd[1]);
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesKr + wgmma_tile_offset(kChunk, r, pr.c0)) =
           pack_bf16(restored[0], restored[1]);
+#endif
     } else {
       unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
       *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
@@ -494,10 +562,19 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     else
       left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
   }
+#if KDA_K1_STORE_OFFSETS
+  switch (warp) {  // each warp's tiles as constants: their kd reads and stores at immediate offsets
+    case 0: w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col); break;
+    case 1: w_tiles<5, kWgmmaTiles>(s, ws, 1, a, g_row, t_col); break;
+    case 2: w_tiles<5, kWgmmaTiles>(s, ws, 6, a, g_row, t_col); break;
+    default: w_tiles<5, kWgmmaTiles>(s, ws, 11, a, g_row, t_col); break;
+  }
+#else
   if (warp == 0)
     w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col);
   else
     w_tiles<5, kWgmmaTiles>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
+#endif
 }
 
 // Step 1 and the gate for one chunk (bos: its first token; rows of them): the inputs in shared
