@@ -607,7 +607,7 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
 def test_gpu_a_workspace_off_its_alignment_is_refused(cuda_on):
     """K1 may store its wgmma tiles by address bits (prepare.cu wgmma_step_store), which holds
     where the workspace starts on abi.WORKSPACE_ALIGN bytes: a view 64 bytes in is refused
-    before any launch, and the aligned view runs."""
+    before K1 and K2 launch, and the aligned view runs."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
     case = cuda_case([37, 16], 2, False, "lower_bound", False, True, seed=45)

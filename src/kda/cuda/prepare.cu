@@ -147,9 +147,14 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
 // So from the offset of row r0 (r0 % 8 == 0), row r0 + r8 of the same columns is
 // wgmma_row_step(offset, r8); and from the offset of columns 2t, 2t + 1 of tile 0 of a
 // [32, 128] tile, channels 8 tile + 2t, + 1 of the same row are wgmma_tile_step(offset, tile).
-__host__ __device__ constexpr int wgmma_row_step(int row0, int r8) { return (row0 ^ (r8 << 4)) + r8 * 128; }
-__host__ __device__ constexpr int wgmma_tile_step(int tile0, int tile) {
-  return (tile0 ^ ((tile & 7) << 4)) + (tile >> 3) * (2 * kChunk * 128);
+// (On a byte offset, I = int, as checked below; on an address, I = uintptr_t: wgmma_step_store.)
+template <typename I>
+__host__ __device__ constexpr I wgmma_row_step(I row0, int r8) {
+  return (row0 ^ I(r8 << 4)) + I(r8 * 128);
+}
+template <typename I>
+__host__ __device__ constexpr I wgmma_tile_step(I tile0, int tile) {
+  return (tile0 ^ I((tile & 7) << 4)) + I((tile >> 3) * (2 * kChunk * 128));
 }
 constexpr bool wgmma_steps_exact() {
   for (int half = 0; half < 2; ++half)
@@ -182,8 +187,8 @@ static_assert(wgmma_steps_exact(), "wgmma_row_step and wgmma_tile_step address w
 // compiled (and __stwb's st.global.wb a strong one, STG.E.STRONG.SM; nvcc 13.0).
 static_assert(kWorkspaceAlign % 128 == 0 && kWorkspaceBytes % kWorkspaceAlign == 0,
               "every workspace block starts 128-byte aligned");
-__device__ __forceinline__ void wgmma_step_store(unsigned char* at0, int x, int add, uint32_t value) {
-  const uintptr_t at = (reinterpret_cast<uintptr_t>(at0) ^ uintptr_t(x << 4)) + add;
+__device__ __forceinline__ uintptr_t address(const unsigned char* at) { return reinterpret_cast<uintptr_t>(at); }
+__device__ __forceinline__ void wgmma_step_store(uintptr_t at, uint32_t value) {
   asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(value));
 }
 
@@ -353,10 +358,9 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
     }
     if constexpr (kWgmmaTiles) {  // rows 0-15 of [w; q_decayed]
 #if KDA_K1_STORE_OFFSETS
-      // wgmma_tile_step(wq_row, tile) from ws, and row g + 8
-      const int add = (tile >> 3) * (2 * kChunk * 128);
-      wgmma_step_store(ws + wq_row, tile & 7, add, pack_bf16(d[0], d[1]));
-      wgmma_step_store(ws + wq_row, tile & 7, add + 8 * 128, pack_bf16(d[2], d[3]));
+      const uintptr_t at = wgmma_tile_step(address(ws + wq_row), tile);
+      wgmma_step_store(at, pack_bf16(d[0], d[1]));
+      wgmma_step_store(at + 8 * 128, pack_bf16(d[2], d[3]));  // row g + 8
 #else
       const int c = n0 + 2 * t;
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, c)) = pack_bf16(d[0], d[1]);
@@ -424,9 +428,8 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     *reinterpret_cast<float2*>(&s.ki()[r][pr.c0]) = make_float2(ki[0], ki[1]);
     if constexpr (kWgmmaTiles) {  // q_decayed: rows 16-31 of [w; q_decayed]
 #if KDA_K1_STORE_OFFSETS
-      // wgmma_row_step(qd_row, r8) and wgmma_row_step(kr_row, r8) from ws
-      wgmma_step_store(ws + qd_row, r8, r8 * 128, pack_bf16(qd[0], qd[1]));
-      wgmma_step_store(ws + kr_row, r8, r8 * 128, pack_bf16(restored[0], restored[1]));
+      wgmma_step_store(wgmma_row_step(address(ws + qd_row), r8), pack_bf16(qd[0], qd[1]));
+      wgmma_step_store(wgmma_row_step(address(ws + kr_row), r8), pack_bf16(restored[0], restored[1]));
 #else
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r, pr.c0)) =
           pack_bf16(qd[0], qd[1]);
