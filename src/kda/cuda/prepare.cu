@@ -136,9 +136,10 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
   return (c >> 6) * rows * 128 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
 }
 
-// KDA_K1_STORE_OFFSETS=1 (a candidate, 2026-12-05, not yet measured): kda_prepare_wgmma's stores
-// addressed from one offset a thread, as below, and each warp's w tiles as constants; 0 (the
-// default) keeps wgmma_tile_offset at every store. The same stores to the same places.
+// KDA_K1_STORE_OFFSETS=1 (a candidate, 2026-12-05, not yet measured): kda_prepare_wgmma's tile
+// stores addressed from one offset a thread, as below, and in every K1 entry point each warp's w
+// tiles as constants; 0 (the default) keeps wgmma_tile_offset at every store and the tiles as
+// runtime values. The same stores to the same places.
 #ifndef KDA_K1_STORE_OFFSETS
 #define KDA_K1_STORE_OFFSETS 0
 #endif
@@ -182,9 +183,9 @@ static_assert(wgmma_steps_exact(), "wgmma_row_step and wgmma_tile_step address w
 // multiple of kWorkspaceAlign, and the host checks the workspace's start:
 // kda.cuda.forward.workspace_address): the XOR then touches bits 4-6 of the address alone (one
 // instruction on its low word), and the added multiples of 128 fold into the store's immediate
-// offset. The store is a global one by name:
-// formed from an integer, the address is no longer known to be global, and a generic store was
-// compiled (and __stwb's st.global.wb a strong one, STG.E.STRONG.SM; nvcc 13.0).
+// offset. The store is a global one by name: formed from an integer, the address is no longer
+// known to be global, and a generic store was compiled (and __stwb's st.global.wb a strong one,
+// STG.E.STRONG.SM; nvcc 13.0).
 static_assert(kWorkspaceAlign % 128 == 0 && kWorkspaceBytes % kWorkspaceAlign == 0,
               "every workspace block starts 128-byte aligned");
 __device__ __forceinline__ uintptr_t address(const unsigned char* at) { return reinterpret_cast<uintptr_t>(at); }
