@@ -490,6 +490,15 @@ def _require_pool_final_dtype(final_state_dtype: object, pool: torch.Tensor, how
         )
 
 
+def _require_pool_shape(x: torch.Tensor, HV: int, K: int, V: int, state_v_first: bool) -> None:
+    """A state pool is ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first)."""
+    want = (HV, V, K) if state_v_first else (HV, K, V)
+    if x.dim() != 4 or tuple(x.shape[1:]) != want:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={HV}, K={K}, V={V}, "
+                         f"got shape {list(x.shape)}")  # fmt: skip
+
+
 def check_pool(
     p: Problem, pool: object, indices: object, accepted: object, final_state_dtype: object = None
 ) -> Problem:
@@ -503,11 +512,7 @@ def check_pool(
     if p.requires_grad:
         raise ValueError("state pools (`inplace_final_state=True`) have no backward: call without grad")
     x = _require_tensor("initial_state", pool)
-    layout = "[P, HV, V, K]" if p.state_v_first else "[P, HV, K, V]"
-    want = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
-    if x.dim() != 4 or tuple(x.shape[1:]) != want:
-        raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={p.HV}, K={p.K}, V={p.V}, "
-                         f"got shape {list(x.shape)}")  # fmt: skip
+    _require_pool_shape(x, p.HV, p.K, p.V, p.state_v_first)
     pool_dtypes = (torch.float64,) if p.state_dtype == torch.float64 else (torch.float32, torch.bfloat16)
     if x.dtype not in pool_dtypes:  # a bfloat16 pool: half the bytes; the state is carried in float32
         raise TypeError(f"`initial_state` (the state pool) must be {' or '.join(map(str, pool_dtypes))}, "
@@ -576,14 +581,10 @@ def pool_prefill_sequences(
     if idx.shape != (N,):
         raise ValueError(f"`initial_state_indices` must be [N={N}], got {list(idx.shape)}")
     v = inputs[1] if len(inputs) > 1 else None
-    layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
     if isinstance(v, Tensor) and v.dim() == 4 and q.dim() == 4:  # (their own shapes are checked with the call)
-        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-        want = (HV, V, K) if state_v_first else (HV, K, V)
-        if x.dim() != 4 or tuple(x.shape[1:]) != want:
-            raise ValueError(f"`initial_state` (the state pool) must be {layout} with HV={HV}, K={K}, V={V}, "
-                             f"got shape {list(x.shape)}")  # fmt: skip
+        _require_pool_shape(x, v.shape[2], q.shape[3], v.shape[3], state_v_first)
     elif x.dim() != 4:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
         raise ValueError(f"`initial_state` (the state pool) must be 4-D {layout}, got {list(x.shape)}")
     if idx.device != x.device or x.device != q.device:
         _require_device("initial_state_indices", idx, q.device)
