@@ -150,6 +150,31 @@ def fp64_reference(case: Case, recurrent: bool = True, **over) -> tuple[torch.Te
     return fn(*c64.tensors(), backend="torch", **kw)
 
 
+def fp64_direct(case: Case, scale: float | None = None, allow_neg_eigval: bool = False) -> tuple:
+    """The float64 token loop from :mod:`kda.reference` itself, on the CPU, in fla's layouts:
+    ``(o, final state)`` of ``case`` with this ``scale`` (None: K^-0.5, fla's default) and beta
+    form. :func:`fp64_reference` is the torch backend behind the public API, so an argument the
+    API loses on its way (a scale, a beta form) is lost from that yardstick too; this one takes
+    them from the test, not from the API."""
+    c = case.to(torch.float64, "cpu")
+    HV, K = c.g.shape[-2:]
+    gated = c.gate != "precomputed"
+    q, k, g, beta = reference.activate_inputs(
+        c.q, c.k, c.g, c.beta, use_qk_l2norm=c.l2norm, use_gate=gated, use_beta_sigmoid=True,
+        allow_neg_eigval=allow_neg_eigval, A_log=c.A_log,
+        dt_bias=None if c.dt_bias is None else c.dt_bias.view(HV, K),
+        lower_bound=c.kwargs().get("lower_bound"),
+    )  # fmt: skip
+    h0 = c.initial_state
+    if h0 is not None and c.state_v_first:
+        h0 = h0.transpose(-1, -2)
+    o, ht = reference.naive_recurrent_kda(
+        q, k, c.v, g, beta, scale=K**-0.5 if scale is None else scale, initial_state=h0, output_final_state=True,
+        cu_seqlens=c.cu_seqlens,
+    )  # fmt: skip
+    return o, ht.transpose(-1, -2) if c.state_v_first else ht
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return reference.relative_rms(x.cpu(), ref.cpu())
 
@@ -195,20 +220,28 @@ GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
 def gradients(
-    case: Case, backend: str, recurrent: bool = False, seed: int = 0, final_state_grad: bool = True, **over
+    case: Case,
+    backend: str,
+    recurrent: bool = False,
+    seed: int = 0,
+    final_state_grad: bool = True,
+    train: tuple[str, ...] = GRAD_INPUTS,
+    **over,
 ) -> dict[str, torch.Tensor]:
-    """The gradients of ``sum(o * do) + sum(final_state * dht)`` with respect to every tensor
-    input of ``case`` (GRAD_INPUTS that are present), computed by ``backend``; ``do`` and ``dht``
-    are random, drawn from ``seed`` on the CPU (the same for every backend and dtype).
+    """The gradients of ``sum(o * do) + sum(final_state * dht)`` with respect to the tensor
+    inputs of ``case`` named in ``train`` (default every one of GRAD_INPUTS that is present; the
+    others are passed as tensors that do not require grad), computed by ``backend``; ``do`` and
+    ``dht`` are random, drawn from ``seed`` on the CPU (the same for every backend and dtype).
     ``final_state_grad=False`` leaves the final state out of the loss."""
-    leaves = {name: getattr(case, name) for name in GRAD_INPUTS if getattr(case, name) is not None}
-    leaves = {name: x.detach().clone().requires_grad_() for name, x in leaves.items()}
+    inputs = {name: getattr(case, name) for name in GRAD_INPUTS if getattr(case, name) is not None}
+    inputs = {name: x.detach().clone().requires_grad_(name in train) for name, x in inputs.items()}
+    leaves = {name: x for name, x in inputs.items() if name in train}
     kw = case.kwargs(**over)
-    kw.update({name: leaves[name] for name in ("initial_state", "A_log", "dt_bias") if name in leaves})
+    kw.update({name: inputs[name] for name in ("initial_state", "A_log", "dt_bias") if name in inputs})
     fn = kda.fused_recurrent_kda if recurrent else kda.chunk_kda
     if recurrent:
         kw.pop("safe_gate", None)
-    o, ht = fn(*(leaves[name] for name in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
+    o, ht = fn(*(inputs[name] for name in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
     loss = (o * do).sum()
