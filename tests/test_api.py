@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kda
-from helpers import make_case
+from helpers import DEVICE, assert_close_fp64, fp64_direct, make_case, rel
 from kda import dispatch
 
 # Why the cuda backend is off on a machine without a GPU, depending on what was installed.
@@ -52,17 +52,63 @@ def test_triton_by_name_refuses_meta_tensors_under_the_interpreter():
     assert o.device.type == "meta" and o.shape == case.v.shape
 
 
-def test_float64_goes_to_torch_with_logged_reason(caplog):
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+def test_float64_goes_to_torch_with_logged_reason(caplog, op):
+    """Each op's log lines name that op (a mutation audit of 2026-12-05 found every refusal
+    logged as chunk_kda's would have passed: only chunk_kda was asked)."""
     case = make_case(T=8, H=1, K=16, V=16, dtype=torch.float64, seed=1)
+    kw = case.kwargs()
+    if op == "fused_recurrent_kda":
+        kw.pop("safe_gate")
     dispatch._logged.clear()
     with caplog.at_level(logging.INFO, logger="kda"), kda.record_dispatch() as events:
-        kda.chunk_kda(*case.tensors(), **case.kwargs())
-        kda.chunk_kda(*case.tensors(), **case.kwargs())
-    assert events == ["chunk_kda -> torch", "chunk_kda -> torch"]
+        getattr(kda, op)(*case.tensors(), **kw)
+        getattr(kda, op)(*case.tensors(), **kw)
+    assert events == [f"{op} -> torch", f"{op} -> torch"]
     lines = [r.getMessage() for r in caplog.records]
-    assert "[kda] chunk_kda -> torch" in lines
-    assert any(line.startswith("[kda] chunk_kda: triton rejected: dtype torch.float64") for line in lines)
-    assert lines.count("[kda] chunk_kda -> torch") == 1, "a decision is logged once per process"
+    assert f"[kda] {op} -> torch" in lines
+    assert any(line.startswith(f"[kda] {op}: triton rejected: dtype torch.float64") for line in lines), lines
+    assert lines.count(f"[kda] {op} -> torch") == 1, "a decision is logged once per process"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+@pytest.mark.parametrize("scale, neg_eigval", [(None, False), (0.3, False), (None, True)])
+def test_scale_and_beta_form_reach_every_backend(backend, op, scale, neg_eigval):
+    """A scale of the caller's, the default K^-0.5 (K != V, so V^-0.5 would show) and
+    allow_neg_eigval, through both ops on the torch and Triton backends, against
+    reference.py's float64 token loop called directly (kda's usual yardstick is the torch
+    backend behind the API, which shares whatever the API loses: a mutation audit of
+    2026-12-05 found a dropped scale passing every test). fused_recurrent_kda's sequences are
+    in the decode kernel's range, chunk_kda's past it."""
+    case = make_case(seq_lens=[20, 5], H=1, HV=2, K=16, V=8, gate="softplus", device=DEVICE, seed=14)
+    kw = case.kwargs(allow_neg_eigval=neg_eigval)
+    if scale is not None:
+        kw["scale"] = scale
+    if op == "fused_recurrent_kda":
+        kw.pop("safe_gate", None)
+    with kda.record_dispatch() as events:
+        o, ht = getattr(kda, op)(*case.tensors(), backend=backend, **kw)
+    if backend == "triton":
+        assert ("triton:decode" if op == "fused_recurrent_kda" else "triton:recurrence_v_split") in events, events
+    o_ref, ht_ref = fp64_direct(case, scale=scale, allow_neg_eigval=neg_eigval)
+    assert_close_fp64(o, o_ref, 1e-4, "o")
+    assert_close_fp64(ht, ht_ref, 1e-4, "final state")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_fused_recurrent_returns_the_final_state_dtype_asked(backend, tokens):
+    """fused_recurrent_kda(final_state_dtype=torch.bfloat16) through the public function (the
+    decode tests call the kernel behind it): a bf16 final state, the float32 one rounded (within
+    bf16's rounding, as the interpreter truncates where a GPU rounds to nearest)."""
+    case = make_case(B=2, T=tokens, H=1, K=16, V=16, gate="lower_bound", device=DEVICE, seed=15)
+    kw = case.kwargs()
+    kw.pop("safe_gate")
+    _, ht32 = kda.fused_recurrent_kda(*case.tensors(), backend=backend, **kw)
+    _, ht16 = kda.fused_recurrent_kda(*case.tensors(), backend=backend, final_state_dtype=torch.bfloat16, **kw)
+    assert ht32.dtype == torch.float32 and ht16.dtype == torch.bfloat16
+    assert rel(ht16, ht32) <= 2**-8, "not the float32 state rounded"
 
 
 def test_torch_backend_is_differentiable():
