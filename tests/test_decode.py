@@ -89,10 +89,14 @@ def test_no_final_state_asked_none_returned():
         (kda.chunk_kda, dispatch.CHUNK_DECODE_TOKENS + 1, "triton:recurrence_v_split"),
     ],
 )
-def test_short_sequences_take_the_decode_kernel_longer_ones_the_chunks(fn, tokens, kernel):
-    """The longest sequence decides (varlen: one long sequence among short ones), and both
-    paths give the token loop's answer."""
-    case = make_case(seq_lens=[1, tokens, 2], H=1, K=16, V=16, device=DEVICE, seed=82)
+@pytest.mark.parametrize("varlen", [True, False])
+def test_short_sequences_take_the_decode_kernel_longer_ones_the_chunks(fn, tokens, kernel, varlen):
+    """The longest sequence decides (varlen: one long sequence among short ones; batched: one
+    sequence of exactly the limit, where the router's shortcut on the mean meets it, a boundary
+    a mutation audit of 2026-12-05 found untested), and both paths give the token loop's
+    answer."""
+    shape = dict(seq_lens=[1, tokens, 2]) if varlen else dict(B=1, T=tokens)
+    case = make_case(**shape, H=1, K=16, V=16, device=DEVICE, seed=82)
     o, ht, events = decode_call(case, fn=fn)
     assert kernel in events, events
     o_ref, ht_ref = fp64_reference(case)

@@ -52,8 +52,10 @@ def plain_decode(case, h0):
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, index_dtype):
     """Slots 5, 2 and 0 serve three sequences, -1 is padding (starts from zeros, writes
-    nothing), 9 is out of range (P = 7: the same, and no memory outside the pool)."""
-    lens, slots = [3, 1, 2, 4, 2], [5, -1, 2, 9, 0]
+    nothing), 9 and 7 are out of range (P = 7: the same, and no memory outside the pool; 7, the
+    first slot past the pool, since a mutation audit of 2026-12-05 found a guard of `<= P`
+    passing)."""
+    lens, slots = [3, 1, 2, 4, 2, 2], [5, -1, 2, 9, 0, 7]
     case, pool = pool_case(lens, P=7, seed=61, layout=layout)
     before = pool.clone()
     idx = torch.tensor(slots, dtype=index_dtype, device=DEVICE)
@@ -73,14 +75,17 @@ def test_one_d_indices_read_and_write_the_named_slots_only(backend, layout, inde
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_d_indices_with_accepted_tokens(backend):
+@pytest.mark.parametrize("columns", [4, 3])
+def test_two_d_indices_with_accepted_tokens(backend, columns):
     """Speculative decoding: sequence 0 (3 tokens) starts from idx[0, accepted - 1] = slot 0 and
     writes its states after tokens 0, 1, 2 to slots 4, 0, 6; sequence 1 (2 tokens) starts from
-    slot 1 and writes slots 1, 3; a padding column writes nothing."""
+    slot 1 and writes slots 1, 3; a padding column writes nothing. With 3 columns the longest
+    sequence fills its row (the token bound at S, which a mutation audit of 2026-12-05 found
+    no test reaching)."""
     lens, P = [3, 2], 8
     case, pool = pool_case(lens, P=P, seed=62)
     before = pool.clone()
-    idx = torch.tensor([[4, 0, 6, -1], [1, 3, -1, -1]], device=DEVICE)
+    idx = torch.tensor([[4, 0, 6, -1], [1, 3, -1, -1]], device=DEVICE)[:, :columns].contiguous()
     accepted = torch.tensor([2, 1], device=DEVICE)
     o, _ = kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True,
                                    ssm_state_indices=idx, num_accepted_tokens=accepted, backend=backend,
@@ -148,6 +153,7 @@ def test_in_place_without_indices_is_slot_n():
     [
         ({"inplace_final_state": False}, ValueError, "need `inplace_final_state=True`"),
         ({"ssm_state_indices": torch.tensor([[0, 1]])}, ValueError, "S >= 3"),
+        ({"ssm_state_indices": torch.tensor([[0, 1], [2, 3]])}, ValueError, "S >= 3"),  # N right, S short
         ({"ssm_state_indices": torch.tensor([0.0, 1.0])}, TypeError, "int32 or int64"),
         ({"num_accepted_tokens": torch.tensor([1, 1])}, ValueError, "needs 2-D"),
         ({"initial_state": torch.zeros(4, 4, 16, 23)}, ValueError, "the state pool"),
@@ -205,13 +211,16 @@ def test_a_pool_that_requires_grad_decodes_under_no_grad():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_into_the_pool(backend):
+@pytest.mark.parametrize("layout", [False, True])
+def test_prefill_into_the_pool(backend, layout):
     """chunk_kda(initial_state_indices=): sequence n starts from pool[idx[n]] and its final state
     goes back there; an empty sequence keeps its slot's state; padding (-1) and an index past
-    the pool (9, P = 6) start from zeros and write nothing."""
+    the pool (9, P = 6) start from zeros and write nothing. Both state layouts (K != V), as a
+    mutation audit of 2026-12-05 found state_v_first dropped on the way passing."""
     lens, slots, P = [20, 0, 9, 5, 3], [4, 2, -1, 9, 1], 6
-    case = make_case(seq_lens=lens, H=2, HV=4, K=16, V=24, gate="softplus", device=DEVICE, seed=67)
-    pool = torch.randn(P, 4, 16, 24, device=DEVICE)
+    case = make_case(seq_lens=lens, H=2, HV=4, K=16, V=24, gate="softplus", state_v_first=layout, device=DEVICE,
+                     seed=67)  # fmt: skip
+    pool = torch.randn(P, 4, *((24, 16) if layout else (16, 24)), device=DEVICE)
     before = pool.clone()
     idx = torch.tensor(slots, device=DEVICE)
     kw = case.kwargs()
