@@ -481,6 +481,47 @@ def test_triton_gradients_through_hard_resets(gate, value):
     assert_gradients_close(got, ref, fp32_bars(case, ref, got))
 
 
+def test_triton_gradients_through_an_infinite_softplus_gate():
+    """A raw softplus gate of +inf (an activation that overflowed): the gate is held at
+    reference.GATE_FLOOR, a hard reset, so every gradient is that of a huge finite raw gate,
+    dA_log included. The yardstick is the same inputs with 1e30 there: float64 autograd of the
+    token loop forms 0 * inf = NaN for dA_log at +inf itself. (A mutation audit of 2026-12-05
+    found the floor dropped from the Triton kernels passing every test: dA_log became NaN.)"""
+    case = make_case(seq_lens=[40, 9], H=1, HV=2, K=16, V=16, gate="softplus", device=DEVICE, seed=52)
+    huge = dataclasses.replace(case, g=case.g.clone())
+    for t, hv, channels in ((0, 0, [0]), (5, 1, [1, 2]), (16, 1, list(range(16))), (44, 0, [5])):
+        case.g[0, t, hv, channels] = float("inf")
+        huge.g[0, t, hv, channels] = 1e30
+    ref = fp64_gradients(huge)
+    got = gradients(case, "triton")
+    assert_gradients_close(got, ref, fp32_bars(huge, ref, got))
+
+
+def test_triton_gradients_with_negative_eigenvalues():
+    """allow_neg_eigval (beta = 2 sigmoid): every gradient within the float32 bar, on a fixed
+    case (the property test draws this form in one example of three; a mutation audit of
+    2026-12-05 found the factor 2 dropped from the backward caught by one derandomized draw)."""
+    case = make_case(seq_lens=[30, 7], H=1, HV=2, K=16, V=24, gate="lower_bound", device=DEVICE, seed=17)
+    ref = fp64_gradients(case, allow_neg_eigval=True)
+    got = gradients(case, "triton", allow_neg_eigval=True)
+    assert_gradients_close(got, ref, fp32_bars(case, ref, got, allow_neg_eigval=True))
+
+
+@pytest.mark.parametrize("name", ["initial_state", "A_log", "dt_bias", "v"])
+def test_triton_trains_one_input_alone(name):
+    """One input requires grad, the rest do not (a frozen model tuning its initial state or its
+    gate's parameters): the call takes the training path, on Triton both ways, and that gradient
+    matches float64. (Every other gradient test trains all inputs; a mutation audit of
+    2026-12-05 found initial_state left out of the API's requires-grad test passing them all.)"""
+    case = make_case(seq_lens=[20, 9], H=1, HV=2, K=16, V=16, gate="softplus", device=DEVICE, seed=16)
+    with kda.record_dispatch() as events:
+        got = gradients(case, "triton", train=(name,))
+    assert "chunk_kda -> triton (forward and backward)" in events and "chunk_kda backward -> triton" in events, events
+    ref = fp64_gradients(case, train=(name,))
+    assert list(got) == [name]
+    assert_gradients_close(got, ref, fp32_bars(case, ref, None, train=(name,)))
+
+
 def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:
     """K1's workspace bytes as K1 stores them (kda.abi.WORKSPACE), built from the Triton prepare
     stage's operands: the tiles swizzled, inverse_beta as its bf16 part and bf16 remainder, M
