@@ -24,6 +24,7 @@ from helpers import (
     assert_graph_replays_eager,
     assert_strictly_causal,
     cuda_ready,
+    fp64_direct,
     fp64_reference,
     make_case,
     rel,
@@ -455,6 +456,28 @@ def test_gpu_cuda_matches_fp64_and_triton(seq_lens, H, layout, gate, g_fp32, wit
     if sum(seq_lens) >= 256:  # tiny problems: both errors are noise-sized
         assert rel(o, o_ref) <= 1.1 * rel(o_tr, o_ref) + 1e-4
         assert rel(ht, ht_ref) <= 1.1 * rel(ht_tr, ht_ref) + 1e-4
+
+
+@pytest.mark.gpu
+@cuda_ready
+@pytest.mark.parametrize("scale, neg_eigval", [(0.3, False), (None, True)])
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+def test_gpu_cuda_scale_and_beta_form_against_reference_directly(cuda_on, scale, neg_eigval, op):
+    """A scale of the caller's and allow_neg_eigval (beta = 2 sigmoid, K1's and the decode
+    kernel's beta_scale) on the CUDA chunk and decode paths, against reference.py's float64
+    token loop called directly (the property test above draws neither allow_neg_eigval nor a
+    yardstick independent of the API; added 2026-12-05 after a mutation audit, not yet run)."""
+    decoding = op == "fused_recurrent_kda"  # (sequences in the decode kernel's range)
+    case = cuda_case([40, 7] if decoding else [300, 77], 2, False, "lower_bound", False, True, seed=18)
+    kw = case.kwargs(allow_neg_eigval=neg_eigval, **({} if scale is None else {"scale": scale}))
+    if decoding:
+        kw.pop("safe_gate")
+    with kda.record_dispatch() as events:
+        o, ht = getattr(kda, op)(*case.tensors(), backend="cuda", **kw)
+    assert ("cuda:decode" if decoding else "cuda:recurrence") in events, events
+    o_ref, ht_ref = fp64_direct(case, scale=scale, allow_neg_eigval=neg_eigval)
+    assert_close_fp64(o, o_ref, 5e-3, "o")  # the bar of the property test above (bf16 inputs)
+    assert_close_fp64(ht, ht_ref, 5e-3, "final state")
 
 
 @pytest.mark.gpu
