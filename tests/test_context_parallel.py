@@ -326,6 +326,37 @@ def test_fla_cp_context_equals_the_unsharded_call(tmp_path, world, lens):
     mp.spawn(_fla_context_worker, args=(world, str(tmp_path / "store"), lens), nprocs=world)
 
 
+@pytest.mark.parametrize(
+    "ranks, offsets",
+    [
+        ([([10], True, False), ([6], False, True)], [0, 16]),  # one sequence over two ranks
+        ([([4, 6], True, False), ([3, 5], False, True)], [0, 4, 13, 18]),  # packed, the middle one split
+        ([([10], True, False), ([], False, False), ([6], False, True)], [0, 16]),  # past a rank of no tokens
+        ([([10], True, True), ([], False, False), ([6], True, True)], [0, 10, 16]),
+    ],
+)
+def test_fla_cp_context_offsets_from_the_ranks_pieces(monkeypatch, ranks, offsets):
+    """from_fla_cp_context's whole-batch offsets from each rank's local lengths and first/last
+    flags, with the gather stubbed (one process). A rank of no tokens passes a sequence on:
+    until 2026-12-05 it ended it (a mutation audit found the case untested), which would have
+    restarted the sequence's state on the next rank. fla's contiguous layout gives every rank
+    an equal share, so it does not make such a rank itself."""
+    from types import SimpleNamespace
+
+    from kda import context_parallel
+
+    rank = 1
+    monkeypatch.setattr(dist, "get_world_size", lambda group: len(ranks))
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group: out.__setitem__(slice(None), ranks))
+    lengths, first, last = ranks[rank]
+    local = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
+    ctx = SimpleNamespace(layout="contiguous", group="g", cu_seqlens=local, cu_seqlens_cpu=local,
+                          is_first_rank=first, is_last_rank=last)  # fmt: skip
+    kw = {"cp_context": ctx}
+    assert context_parallel.from_fla_cp_context(kw) == "g"
+    assert kw["cu_seqlens"].tolist() == offsets and kw["cu_seqlens_cpu"].tolist() == offsets
+
+
 def test_ranks_with_different_slices_fail_on_every_rank(tmp_path, monkeypatch):
     spawn(tmp_path, monkeypatch, 2, "torch", mismatch=True)
 

@@ -306,14 +306,15 @@ def from_fla_cp_context(kw: dict):
     gathered = [None] * dist.get_world_size(ctx.group)
     dist.all_gather_object(gathered, (lengths, bool(ctx.is_first_rank), bool(ctx.is_last_rank)), group=ctx.group)
     sequences: list[int] = []
-    continuing = False  # the previous rank's last piece goes on
+    continuing = False  # the last piece so far goes on into the next rank's
     for pieces, first_begins, last_ends in gathered:
         for i, n in enumerate(pieces):
             if i == 0 and continuing and not first_begins:
                 sequences[-1] += n
             else:
                 sequences.append(n)
-        continuing = bool(pieces) and not last_ends
+        if pieces:  # a rank of no tokens ends nothing: a sequence goes on past it (2026-12-05)
+            continuing = not last_ends
     offsets = [0]
     for n in sequences:
         offsets.append(offsets[-1] + n)
