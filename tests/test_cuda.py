@@ -238,6 +238,7 @@ def test_workspace_views_decode_the_block_layout():
 
 UNSUPPORTED = [
     ("fp16", dict(dtype=torch.float16), "dtype"),
+    ("fp32", dict(dtype=torch.float32), "dtype"),  # (a mutation audit of 2026-12-05: fp16 alone was asked)
     ("K=64", dict(K=64, V=64), "head dims"),
     ("GVA", dict(H=2, HV=4), "grouped value heads"),
     ("softplus", dict(gate="softplus"), "softplus"),
@@ -258,6 +259,20 @@ def test_gate_inputs_the_kernels_cannot_read_are_refused_by_name(name):
     setattr(case, name, getattr(case, name).double())  # validation allows float64 g and beta
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
     assert BACKEND.rejects(p) == f"`{name}` in torch.float64 (the CUDA kernels read bfloat16 or float32)"
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g"])
+def test_inputs_off_the_copies_alignment_are_named(name):
+    """kda.cuda.misaligned names whichever of q, k, v and g is a view off the 16-byte copies'
+    alignment (a mutation audit of 2026-12-05 found g left out of its test passing: only q was
+    asked, by a training test)."""
+    case = make_case(T=20, H=2, K=128, V=128, dtype=torch.bfloat16, seed=1)
+    x = getattr(case, name)
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)
+    setattr(case, name, shifted)
+    p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    assert getattr(p, name).data_ptr() % 16, "the view must stay off the alignment through validation"
+    assert kda.cuda.misaligned(p) == f"`{name}` is not 16-byte aligned (a view at an odd offset)"
 
 
 @pytest.mark.parametrize("where", ["initial", "final"])

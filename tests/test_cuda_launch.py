@@ -116,20 +116,30 @@ def test_launch_goes_through_cuda_bindings_without_libcuda(load_kernels, monkeyp
     ]
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monkeypatch, state_dtype):
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("h0_dtype, ht_dtype", [(F32, F32), (BF16, BF16), (F32, BF16)])
+@pytest.mark.parametrize("g_dtype, beta_dtype", [(F32, BF16), (BF16, F32)])
+def test_chunk_forward_fills_the_params_block_field_by_field(
+    load_kernels, monkeypatch, h0_dtype, ht_dtype, g_dtype, beta_dtype
+):
     """The Params block is packed positionally (one struct.pack_into); every field must land
-    under its own name, for both launches, on the current device's current stream."""
+    under its own name, for both launches, on the current device's current stream. The state
+    dtypes in and out and the gate inputs' dtypes differ here, so a flag or a final state
+    taken from the wrong one shows (a mutation audit of 2026-12-05 found both passing when
+    they were always equal), and K2's block is the 2k2 width's (its ksplit counted)."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     built = []  # varlen tables are built per call: keep the ones the launch was given
     monkeypatch.setattr(forward, "chunk_tables", lambda p, *args: built.append(chunk_tables(p, *args)) or built[-1])
     case = make_case(seq_lens=[20, 5], H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    case.initial_state = case.initial_state.to(state_dtype)
-    kw = case.kwargs(state_v_first=True, final_state_dtype=state_dtype)
+    case.initial_state = case.initial_state.to(h0_dtype)
+    case.g, case.beta = case.g.to(g_dtype), case.beta.to(beta_dtype)
+    kw = case.kwargs(state_v_first=True, final_state_dtype=ht_dtype)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     o, ht = forward.chunk_forward(p)
-    assert ht.dtype == state_dtype and ht.shape == p.state_shape
+    assert ht.dtype == ht_dtype and ht.shape == p.state_shape
 
     (prepare_args, prm), (recurrence_args, prm_again) = libcuda.calls
     assert bytes(prm) == bytes(prm_again)
@@ -150,13 +160,16 @@ def test_chunk_forward_fills_the_params_block_field_by_field(load_kernels, monke
     expected_flags |= flags["beta_float32"] if p.beta.dtype == torch.float32 else 0
     expected_flags |= flags["l2norm"] if p.use_qk_l2norm else 0
     expected_flags |= flags["beta_sigmoid"] if p.use_beta_sigmoid else 0
-    expected_flags |= flags["h0_bfloat16"] | flags["ht_bfloat16"] if state_dtype == torch.bfloat16 else 0
+    expected_flags |= flags["h0_bfloat16"] if h0_dtype == BF16 else 0
+    expected_flags |= flags["ht_bfloat16"] if ht_dtype == BF16 else 0
     assert (prm.num_chunks, prm.num_seqs, prm.heads, prm.flags) == (tables.num_chunks, 2, 2, expected_flags)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, p.lower_bound, 2.0 if p.allow_neg_eigval else 1.0)
     assert prm.workspace == forward._workspaces[-1, 0x5000].data_ptr()  # kept for the stream
     assert prepare_args[1:3] == (tables.num_chunks, 2) and prepare_args[8] == 0x5000
     assert recurrence_args[8] == 0x5000
     assert recurrence_args[1:3] == (4 * 2 * 2, 1)  # two warps for 4 pairs: 4 V slices of 32 a pair
+    # 2k2: two V groups of two consumer warps each, and the producer warp
+    assert recurrence_args[4:8] == (32 * (2 * 2 + 1), 1, 1, abi.recurrence_shared_bytes(2, 2))
 
 
 @pytest.mark.parametrize(
@@ -699,6 +712,25 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 
 
+@pytest.mark.parametrize("offset, refused", [(8, True), (4, True), (16, False)])
+def test_decode_refuses_a_state_off_its_16_byte_copies(offset, refused):
+    """An initial state that is a view 4 or 8 bytes into its storage cannot feed the decode
+    kernel's 16-byte copies: kda.cuda.decode.decode_rejects says so (and Triton runs it); 16
+    bytes in, it can (a mutation audit of 2026-12-05 found a check of 8 bytes passing)."""
+    from kda.cuda.decode import decode_rejects
+
+    case = make_case(B=4, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7)
+    h0 = case.initial_state
+    case.initial_state = torch.empty(h0.numel() + 4, dtype=torch.float32)[offset // 4 :][: h0.numel()].view(h0.shape)
+    case.initial_state.copy_(h0)
+    kw = case.kwargs()
+    kw.pop("safe_gate")
+    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+    assert p.initial_state.data_ptr() % 16 == offset % 16, "validation kept the view"
+    reason = decode_rejects(p)
+    assert (reason == "a state that is not 16-byte aligned (a view at an odd offset)") if refused else reason is None
+
+
 def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
     """kda.cuda.decode.AUTO_MIN_PAIRS on host-side problems (no device work): one-token decode
     steps over enough sequence-heads are kept (no refusal), the rest say why Triton runs them."""
@@ -721,6 +753,7 @@ def test_auto_sends_decode_shapes_to_the_cuda_kernel_where_it_measured_faster():
         problem(fp32 // 2, state=torch.float32)
     )
     assert "bfloat16 states over more than one token" in BACKEND.auto_rejects(problem(2, T=3))
+    assert "bfloat16 states over more than one token" in BACKEND.auto_rejects(problem(2, T=2))  # (the bound)
     # float32 [V, K] states keep their own bound (kda.cuda.decode.AUTO_MIN_PAIRS_V_FIRST_FLOAT32)
     v_first = problem(fp32, state=torch.float32, v_first=True)
     assert f"{fp32 * 4} (sequence, head) pairs of float32 [V, K] states" in BACKEND.auto_rejects(v_first)
