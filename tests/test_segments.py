@@ -172,6 +172,12 @@ def test_automatic_split_rule_on_the_measured_cases():
     assert segments.auto_span([long] * 3, 8, 132) == 0  # 24 chains: the uncut call fills enough SMs
     assert segments.auto_span([long] * 3, 8, 264) == segments.AUTO_SPANS[0]  # a GPU of twice the SMs
     assert segments.auto_span([], 8, 132) == 0
+    # each bound met exactly (a mutation audit of 2026-12-05 found both moved by one passing):
+    # chains * AUTO_SMS_PER_PAIR == SMs still splits; AUTO_CHAINS_PER_SM * SMs segment chains fit a span
+    pairs, fill = segments.AUTO_SMS_PER_PAIR, segments.AUTO_CHAINS_PER_SM
+    assert segments.auto_span([131072], 16, 16 * pairs) == 8192
+    assert segments.auto_span([fill * 132 // 8 * 8192], 8, 132) == 8192
+    assert segments.auto_span([(fill * 132 // 8 + 1) * 8192], 8, 132) == 16384
 
 
 def test_setting_unset_is_automatic_zero_is_off(monkeypatch):

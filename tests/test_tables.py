@@ -236,6 +236,15 @@ def test_batched_tables_are_kept_varlen_ones_built_per_call():
     assert chunk_tables(pb).chunk_offsets.tolist() == [0, 1, 3]
 
 
+def test_kept_batched_tables_are_per_head_count(monkeypatch):
+    """Two batched calls that differ in their head count only get their own tables: seq_order
+    lists every (sequence, head) pair, so one kept for H = 2 would send K2 past its end at H = 4
+    (a mutation audit of 2026-12-05 found H left out of the cache key passing)."""
+    monkeypatch.setattr(tables, "_BATCHED", {})
+    for H in (2, 4, 2):
+        check_against_model(chunk_tables(problem(None, 2, 40, H)), [40, 40], H)
+
+
 def test_batched_tables_are_kept_up_to_their_limit(monkeypatch):
     """BATCHED_CACHED shapes are kept; past it, tables are built per call and nothing is evicted."""
     monkeypatch.setattr(tables, "_BATCHED", {})
