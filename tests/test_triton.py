@@ -151,19 +151,25 @@ def test_prefill_then_decode_equals_one_prefill():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bfloat16_states_in_and_out(backend):
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+def test_bfloat16_states_in_and_out(backend, op):
     """kda's extension of fla's API: a bf16 initial state is read (and carried in float32), and
     final_state_dtype=torch.bfloat16 returns the final state in bf16, within bf16 rounding of
-    the float64 reference run from the same (bf16-valued) initial state."""
+    the float64 reference run from the same (bf16-valued) initial state. Both ops through their
+    public functions (fused_recurrent_kda's sequences in the decode kernel's range; a mutation
+    audit of 2026-12-05 found its final_state_dtype dropped passing: only chunk_kda was asked)."""
     case = make_case(seq_lens=[20, 7], H=2, K=16, V=16, dtype=torch.bfloat16, state_v_first=True,
                      device=DEVICE, seed=13)  # fmt: skip
     case.initial_state = case.initial_state.to(torch.bfloat16)
-    o, ht = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs(final_state_dtype=torch.bfloat16))
+    kw = case.kwargs()
+    if op == "fused_recurrent_kda":
+        kw.pop("safe_gate")
+    o, ht = getattr(kda, op)(*case.tensors(), backend=backend, final_state_dtype=torch.bfloat16, **kw)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.bfloat16
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, BAR[torch.bfloat16], "o")
     assert_close_fp64(ht, ht_ref, BAR[torch.bfloat16], "final state")
-    _, ht32 = kda.chunk_kda(*case.tensors(), backend=backend, **case.kwargs())
+    _, ht32 = getattr(kda, op)(*case.tensors(), backend=backend, **kw)
     assert ht32.dtype == torch.float32 and rel(ht, ht32) <= 2**-8  # the same state, rounded to bf16
 
 
