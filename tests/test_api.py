@@ -211,6 +211,19 @@ def test_bench_table_renders_every_section():
         assert expected in table, table
 
 
+@pytest.mark.parametrize(
+    "name, slug",
+    [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+     ("NVIDIA GH200 480GB", "gh200"), ("Some Card", "card")],
+)  # fmt: skip
+def test_bench_files_are_named_by_the_gpu_model(name, slug):
+    """Result files start with the GPU's model: the H100 reports "... HBM3" last, and run 147's
+    files were named hbm3-...; a name with no model in it gives its last word."""
+    from kda import bench
+
+    assert bench.gpu_slug(name) == slug
+
+
 def test_bench_impls_filter_keeps_the_order_asked_and_refuses_an_unknown_name(capsys):
     """``--impls`` for every bench mode (run 47's ``--train`` ignored it and ran kda-triton too)."""
     from kda import bench

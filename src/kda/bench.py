@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -104,7 +105,15 @@ def report_header(timing: str, inputs: str) -> tuple[dict, float, str]:
         "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
         "measured_copy_TBps": copy_tbps, "timing": timing, "inputs": inputs,
     }  # fmt: skip
-    return report, copy_tbps, f"{props.name.split()[-1].lower()}-{date}"
+    return report, copy_tbps, f"{gpu_slug(props.name)}-{date}"
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU's short name for result files: its model ("NVIDIA H200" and "NVIDIA H100 80GB HBM3"
+    give h200 and h100; the last word, which the H100 reports as "HBM3", named run 147's files
+    hbm3-...), else the name's last word."""
+    model = re.search(r"\b[A-Z]{1,2}\d{2,4}[A-Za-z]?\b", name)
+    return (model.group(0) if model else name.split()[-1]).lower()
 
 
 def contenders() -> dict:
@@ -383,7 +392,7 @@ def main(args) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{props.name.split()[-1].lower()}-{date}{args.tag}"
+    stem = f"{gpu_slug(props.name)}-{date}{args.tag}"
     cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
     if args.cases:
         cases = [ANCHOR_CASES[int(i)] for i in args.cases.split(",")]
@@ -519,7 +528,7 @@ def train_main(args) -> int:
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{props.name.split()[-1].lower()}-{date}-train{args.tag}"
+    stem = f"{gpu_slug(props.name)}-{date}-train{args.tag}"
     cases = [TRAIN_CASES[int(i)] for i in args.cases.split(",")] if args.cases else TRAIN_CASES
     import kda
 
