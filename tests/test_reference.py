@@ -1,5 +1,7 @@
 """The two torch forms of the spec agree in float64: chunk-16 == token-by-token."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -224,3 +226,22 @@ def test_pair_coupling_matters():
     ops.coupling = torch.zeros_like(ops.coupling)
     O_blind, S_blind = reference.pair_step(ops, v, S)
     assert rel(S_blind, S2) > 1e-3 and rel(O_blind, torch.cat([O1, O2], -2)) > 1e-3
+
+
+def test_relative_rms_sums_over_slices_as_over_the_whole(monkeypatch):
+    """relative_rms in slices of RMS_SLICE elements (bounded memory on 2M-token outputs) gives
+    the whole-tensor float64 formula, with a tail slice shorter than the others, a non-contiguous
+    operand and a broadcast one; a NaN in any slice but the first gives NaN; a zero reference gives
+    the error's own norm."""
+    monkeypatch.setattr(reference, "RMS_SLICE", 7)
+    x = torch.randn(5, 4, 3, dtype=torch.float32).transpose(0, 2)  # 60 elements: 8 slices of 7 and one of 4
+    ref = torch.randn(3, 4, 5, dtype=torch.bfloat16)
+    whole = ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert reference.relative_rms(x, ref) == pytest.approx(whole, rel=1e-12)
+    row = torch.randn(5, dtype=torch.float64)
+    broadcast = ((x.double() - row).norm() / row.expand(3, 4, 5).norm()).item()
+    assert reference.relative_rms(x, row) == pytest.approx(broadcast, rel=1e-12)
+    late = x.clone()
+    late[2, 3, 4] = float("nan")  # the last element: the short tail slice
+    assert math.isnan(reference.relative_rms(late, ref))
+    assert reference.relative_rms(x, torch.zeros_like(x)) == pytest.approx(x.double().norm().item(), rel=1e-12)

@@ -744,11 +744,25 @@ def chunk16_kda_backward(
     return dq, dk, dv, dg, dbeta, dh0
 
 
+# relative_rms takes its float64 sums over slices of this many elements: a whole float64 copy of
+# a 2M-token H8 output is 16 GiB, and `kda bench --long`'s split check, which held three of them
+# at once, ran out of memory on an 80 GB H100 (run 147, 2026-12-05).
+RMS_SLICE = 1 << 24
+
+
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||x - ref|| / ||ref||`` in float64; NaN anywhere gives NaN (never a pass)."""
-    x64, ref64 = x.double(), ref.double()
-    denom = ref64.norm().item()
-    err = (x64 - ref64).norm().item()
+    """``||x - ref|| / ||ref||`` in float64 (summed over slices of RMS_SLICE elements, so that
+    memory stays bounded on any size); NaN anywhere gives NaN (never a pass)."""
+    x, ref = torch.broadcast_tensors(x, ref)
+    x, ref = x.reshape(-1), ref.reshape(-1)
+    err2 = torch.zeros((), dtype=torch.float64, device=ref.device)
+    ref2 = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for a in range(0, ref.numel(), RMS_SLICE):
+        x64, ref64 = x[a : a + RMS_SLICE].double(), ref[a : a + RMS_SLICE].double()
+        err2 += (x64 - ref64).square().sum()
+        ref2 += ref64.square().sum()
+    denom = ref2.sqrt().item()
+    err = err2.sqrt().item()
     if denom == 0.0:
         return err if math.isfinite(err) else float("nan")
     return err / denom
