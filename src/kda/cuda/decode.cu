@@ -39,11 +39,6 @@ static_assert(kDecodeThreads == kHeadDim, "the token prologue gives each thread 
 #ifndef KDA_DECODE_TRACE
 #define KDA_DECODE_TRACE 0
 #endif
-// A candidate (2026-12-05, not yet measured): the staging barrier initialised and fenced at the
-// CTA's start (-DKDA_DECODE_EARLY_INIT=1; see decode_slice), for an A/B against the default.
-#ifndef KDA_DECODE_EARLY_INIT
-#define KDA_DECODE_EARLY_INIT 0
-#endif
 #if KDA_DECODE_TRACE
 __device__ __forceinline__ int64_t global_ns() {
   uint64_t t;
@@ -178,18 +173,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   int64_t trace_c[4] = {};
 #endif
   __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
-  // KDA_DECODE_EARLY_INIT: its initialisation and fence first, before this thread has any global
-  // load in flight. ptxas puts a FENCE.VIEW.ASYNC.S before the initialisation where loads precede
-  // it (none at the start). If that fence waits for the warp's loads in flight (the first
-  // token's, the slot index), the copy, issued by the same lane, waits too (run 63's trace: the
-  // copy issued 2108 cycles into a plain call's CTA, 3240 into a pool's). A barrier initialised
-  // for a CTA that then stages nothing (no slot) is never waited on. Not for float32 [V, K] slices
-  // of 32 columns, which spilled 32 B with it at their 80 registers (nvcc 13.0).
-  constexpr bool kEarlyInit = KDA_DECODE_EARLY_INIT && !(VFirst && sizeof(E) == 4 && BV == 32);
-  if (kEarlyInit && tid == 0 && (p.flags & kHasH0)) {
-    cute::initialize_barrier(staged_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
   // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
   // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
@@ -280,10 +263,12 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
   if (read) {
     if (tid == 0) {
-      if constexpr (!kEarlyInit) {
-        cute::initialize_barrier(staged_bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      }
+      // (Initialised at the CTA's start instead, before any global load, the copy was issued
+      // 1417 cycles into a bf16 N=256 CTA against 1581, 2850 against 3137 in a pool, and the
+      // graph time did not move: H100, run 146, 2026-12-05. The pool's later copy waits for its
+      // slot index, a DRAM round trip, not for the fence.)
+      cute::initialize_barrier(staged_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
     }
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;

@@ -25,16 +25,6 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
-// A candidate (2026-12-05, not yet measured): each chain kernel initialises its pipeline's
-// barriers (and their fence, and the CTA barrier after them) at its start, before the chain
-// slice's table reads and the initial state's loads (-DKDA_PIPELINE_FIRST=1), not after them.
-// ptxas puts a FENCE.VIEW.ASYNC.S before the barriers' initialisation. If that fence waits for
-// the initialising warp's loads in flight (a consumer warp's 64 state loads a thread), then the
-// producer's first copies wait a DRAM round trip for them (cuobjdump, nvcc 13.0). For an A/B.
-#ifndef KDA_PIPELINE_FIRST
-#define KDA_PIPELINE_FIRST 0
-#endif
-
 namespace kda {
 namespace {
 
@@ -301,10 +291,6 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   // registers; with one lane a warp racecheck reported the stage refills as racing with the
   // other lanes' reads, H200, 2026-12-04, run 79).
   using Pipe = Pipeline<WARPS, kStages, (WARPS < 4), 33, C::kWarps>;
-#if KDA_PIPELINE_FIRST
-  __shared__ uint64_t full[kStages], empty[kStages];
-  Pipe pipe(full, empty);
-#endif
   const ChainSlice<WARPS> cs(p, group);
   const int64_t n = cs.n, h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
@@ -315,10 +301,8 @@ __device__ __forceinline__ void recurrence(const Params& p) {
   const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
   if (warp < C::kWarps) load_state(St, p, state_offset, lane, state_base, tile_of);
 
-#if !KDA_PIPELINE_FIRST
   __shared__ uint64_t full[kStages], empty[kStages];
   Pipe pipe(full, empty);
-#endif
   if (warp == C::kWarps) {
     pipe.template produce<false>(p, cs, smem);
     return;
@@ -478,10 +462,6 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const Lane lane;
   const int warp = threadIdx.x / 32;
-#if KDA_PIPELINE_FIRST
-  __shared__ uint64_t full[kStages], empty[kStages];
-  Pipeline<WARPS> pipe(full, empty);
-#endif
   const ChainSlice<WARPS> cs(p, warp);
   const int64_t h = cs.h, c_first = cs.c_first, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
@@ -491,10 +471,8 @@ __device__ __forceinline__ void state_grad_chain(const Params& p) {
   const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
   if (warp < WARPS) load_state(dSt, p, state_offset, lane, state_base);  // p.h0: the final state's gradient
 
-#if !KDA_PIPELINE_FIRST
   __shared__ uint64_t full[kStages], empty[kStages];
   Pipeline<WARPS> pipe(full, empty);
-#endif
   if (warp == WARPS) {
     pipe.template produce<true>(p, cs, smem);
     return;
@@ -1053,10 +1031,6 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   unsigned char* smem = smem_raw + ((1024 - cute::cast_smem_ptr_to_uint(smem_raw) % 1024) % 1024);
   const Lane lane;
   const int warp = threadIdx.x / 32;
-#if KDA_PIPELINE_FIRST
-  __shared__ uint64_t full[kWgmmaStages], empty[kWgmmaStages];
-  Pipeline<4, kWgmmaStages, true, 33, 4> pipe(full, empty);
-#endif
   const ChainSlice<4> cs(p, warp);
   const int64_t h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
@@ -1066,10 +1040,8 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   const int64_t state_base = cs.nh * kHeadDim * kHeadDim;
   if (warp < 4) load_state(St, p, state_offset, lane, state_base);
 
-#if !KDA_PIPELINE_FIRST
   __shared__ uint64_t full[kWgmmaStages], empty[kWgmmaStages];
   Pipeline<4, kWgmmaStages, true, 33, 4> pipe(full, empty);
-#endif
   if (warp == 4) {
     for (int64_t i = 0; i < num_chunks; ++i, pipe.next()) {
       if (i >= kWgmmaStages) mbarrier_wait(pipe.empty[pipe.stage], pipe.round_parity ^ 1);
