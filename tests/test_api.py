@@ -1,6 +1,7 @@
 """Backend reporting, dispatch decisions and their log lines, the CLI."""
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -358,6 +359,48 @@ def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     monkeypatch.delenv(bench_long.SETTING)
     bench_long.with_segments(16, lambda: None)()
     assert bench_long.SETTING not in os.environ
+
+
+def test_long_bench_split_rows_go_on_past_a_variant_out_of_memory(monkeypatch):
+    """``kda bench --long``'s uncut and split variants: one the card cannot hold (timed, or only
+    its check) is recorded with the error's first line and the others still run (run 147, an 80
+    GB H100, lost the 2M-token row to one); the check runs on the lowered gate, against the
+    uncut call, and the segment setting is restored."""
+    from kda import bench_long
+    from kda.segments import SETTING
+
+    monkeypatch.delenv(SETTING, raising=False)
+    seen = []
+
+    def call(tensors, kw):
+        q, k, v, g, beta = tensors
+        tokens, checking = os.environ[SETTING], bool(g.mean() < -SPLIT_SHIFT_SEEN)
+        seen.append((tokens, checking))
+        if tokens == "16384" or (tokens == "65536" and checking):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB\nthe rest")
+        moved = 0.0 if tokens == "0" else int(tokens) * 1e-8  # each split its own distance from uncut
+        return v * (1 + moved), v.sum(1) * (1 + 2 * moved)
+
+    SPLIT_SHIFT_SEEN = bench_long.SPLIT_CHECK_GATE_SHIFT / 2
+    monkeypatch.setattr(bench_long, "timed", lambda fn: (fn(), 2.5)[1])
+    tensors = tuple(torch.randn(1, 8, 2, 4, dtype=torch.float64) for _ in range(4)) + (torch.rand(1, 8, 2),)
+    row = {"case": "1x8 H2", "ms": {}}
+    bench_long.split_rows(call, tensors, {}, row)
+    assert SETTING not in os.environ
+    assert row["ms"] == {"kda-cuda-uncut": 2.5, "kda-cuda-seg8192": 2.5, "kda-cuda-seg32768": 2.5,
+                         "kda-cuda-seg65536": 2.5}  # fmt: skip
+    first_line = "CUDA out of memory. Tried to allocate 16.00 GiB"
+    assert row["out_of_memory"] == {"kda-cuda-seg16384": first_line, "kda-cuda-seg65536 (check)": first_line}
+    assert set(row["split_vs_uncut"]) == {"kda-cuda-seg8192", "kda-cuda-seg32768"}
+    for tokens in (8192, 32768):
+        distance = row["split_vs_uncut"][f"kda-cuda-seg{tokens}"]
+        assert distance["o"] == pytest.approx(tokens * 1e-8) and distance["state"] == pytest.approx(2 * tokens * 1e-8)
+    assert ("0", True) in seen and ("8192", True) in seen and ("8192", False) in seen
+    report = {"gpu": "GPU", "date": "2026-12-05", "versions": {}, "timing": "median", "measured_copy_TBps": 3.0,
+              "inputs": "bf16", "cases": [dict(row, floor_ms=1.0)]}  # fmt: skip
+    assert "Out of memory on this card, not run: 1x8 H2 kda-cuda-seg16384 (CUDA out of memory." in (
+        bench_long.markdown_table(report)
+    )
 
 
 def test_long_bench_plot_draws_a_case_with_fla_and_skips_a_report_without(tmp_path):

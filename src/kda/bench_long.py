@@ -64,9 +64,56 @@ def with_segments(tokens: int, fn):
     return run
 
 
+def fits(row: dict, name: str, fn) -> bool:
+    """``fn()``, or, where the card cannot hold it, ``name`` and the error's first line into
+    ``row["out_of_memory"]`` (the row's other variants go on) and False."""
+    try:
+        fn()
+        return True
+    except torch.OutOfMemoryError as error:
+        row.setdefault("out_of_memory", {})[name] = str(error).split("\n")[0][:160]
+        print(f"  {row['case']} {name}: out of memory", flush=True)
+        torch.cuda.empty_cache()
+        return False
+
+
+def split_rows(call, tensors, kw: dict, row: dict) -> None:
+    """Into ``row``: ``call`` (kda-cuda) timed uncut and split at each of SEGMENT_TOKENS (``ms``),
+    and each split's outputs and final state against the uncut call's on the check's inputs
+    (``split_vs_uncut``). A variant the card cannot hold goes to ``out_of_memory`` with what
+    it was, and the others go on: run 147 (2026-12-05, an 80 GB H100) lost the 2M-token case's
+    whole row to one. The check's distances are float64 sums over slices
+    (reference.relative_rms), not whole float64 copies."""
+    from kda.reference import relative_rms
+
+    def attempt(name: str, fn) -> bool:
+        return fits(row, name, fn)
+
+    def time_as(name: str, tokens: int) -> None:
+        row["ms"][name] = timed(with_segments(tokens, lambda: call(tensors, kw)))
+        print(f"  {row['case']} {name}: {row['ms'][name]:.3f} ms", flush=True)
+
+    attempt("kda-cuda-uncut", lambda: time_as("kda-cuda-uncut", 0))
+    q, k, v, g, beta = tensors
+    slow = (q, k, v, g - SPLIT_CHECK_GATE_SHIFT, beta)  # long memory: the check's inputs
+    uncut = []
+    if not attempt("uncut (check)", lambda: uncut.extend(with_segments(0, lambda: call(slow, kw))())):
+        return
+    row["split_vs_uncut"] = {}
+
+    def check(name: str, tokens: int) -> None:
+        o, s = with_segments(tokens, lambda: call(slow, kw))()
+        row["split_vs_uncut"][name] = {"o": relative_rms(o, uncut[0]), "state": relative_rms(s, uncut[1])}
+        print(f"  {row['case']} {name}: {row['split_vs_uncut'][name]}", flush=True)
+
+    for tokens in SEGMENT_TOKENS:
+        name = f"kda-cuda-seg{tokens}"
+        if attempt(name, lambda: time_as(name, tokens)):
+            attempt(f"{name} (check)", lambda: check(name, tokens))
+
+
 def long_main(args) -> int:
     from kda.bench import pick_impls
-    from kda.reference import relative_rms
 
     calls = pick_impls(contenders(), args.impls)
     if calls is None:
@@ -92,27 +139,17 @@ def long_main(args) -> int:
         with torch.inference_mode():
             for name, call in calls.items():
                 t0 = time.time()
-                row["ms"][name] = timed(lambda call=call: call(tensors, kw))
+
+                def time_call(name=name, call=call):
+                    row["ms"][name] = timed(lambda: call(tensors, kw))
+
+                if not fits(row, name, time_call):  # (an 80 GB card and 2M tokens: fla's, or the Triton path's)
+                    continue
                 (row["clocks"][name],) = clocks.windows([(t0, time.time())])  # with its last period's sample
                 mhz = "-" if row["clocks"][name] is None else f"{row['clocks'][name]['sm_mhz']:.0f}"
                 print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms (SM {mhz} MHz)", flush=True)
             if splits and "kda-cuda" in calls:  # kda-cuda as dispatched (split where it applies), and uncut
-                uncut = with_segments(0, lambda: calls["kda-cuda"](tensors, kw))
-                row["ms"]["kda-cuda-uncut"] = timed(uncut)
-                print(f"  {case['name']} kda-cuda-uncut: {row['ms']['kda-cuda-uncut']:.3f} ms", flush=True)
-                q, k, v, g, beta = tensors
-                slow = (q, k, v, g - SPLIT_CHECK_GATE_SHIFT, beta)  # long memory: the check's inputs
-                o0, s0 = with_segments(0, lambda: calls["kda-cuda"](slow, kw))()
-                row["split_vs_uncut"] = {}
-                for tokens in SEGMENT_TOKENS:
-                    split = with_segments(tokens, lambda: calls["kda-cuda"](tensors, kw))
-                    name = f"kda-cuda-seg{tokens}"
-                    row["ms"][name] = timed(split)
-                    o, s = with_segments(tokens, lambda: calls["kda-cuda"](slow, kw))()
-                    row["split_vs_uncut"][name] = {"o": relative_rms(o, o0), "state": relative_rms(s, s0)}
-                    print(f"  {case['name']} {name}: {row['ms'][name]:.3f} ms {row['split_vs_uncut'][name]}",
-                          flush=True)  # fmt: skip
-                del o0, s0, slow
+                split_rows(calls["kda-cuda"], tensors, kw, row)
         if "fla" in row["ms"]:
             row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
             row["target_ratio"] = TARGET_RATIO.get(case["name"])
@@ -146,6 +183,9 @@ def markdown_table(report: dict) -> str:
     if moved:
         head = f"Split against the uncut CUDA call (relative RMS; raw gate lowered by {SPLIT_CHECK_GATE_SHIFT}): "
         lines += ["", head + "; ".join(moved)]
+    short = [f"{r['case']} {n} ({why})" for r in report["cases"] for n, why in r.get("out_of_memory", {}).items()]
+    if short:
+        lines += ["", "Out of memory on this card, not run: " + "; ".join(short)]
     clocked = [f"{r['case']} {n} {c['sm_mhz']:.0f} MHz ({c['power_capped']:.0%} under the power cap)"
                for r in report["cases"] for n, c in r.get("clocks", {}).items() if c]  # fmt: skip
     if clocked:
