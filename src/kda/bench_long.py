@@ -143,7 +143,7 @@ def long_main(args) -> int:
                 def time_call(name=name, call=call):
                     row["ms"][name] = timed(lambda: call(tensors, kw))
 
-                if not fits(row, name, time_call):  # (an 80 GB card and 2M tokens: fla's, or the Triton path's)
+                if not fits(row, name, time_call):  # a contender whose buffers the card cannot hold
                     continue
                 (row["clocks"][name],) = clocks.windows([(t0, time.time())])  # with its last period's sample
                 mhz = "-" if row["clocks"][name] is None else f"{row['clocks'][name]['sm_mhz']:.0f}"
