@@ -86,18 +86,15 @@ def split_rows(call, tensors, kw: dict, row: dict) -> None:
     (reference.relative_rms), not whole float64 copies."""
     from kda.reference import relative_rms
 
-    def attempt(name: str, fn) -> bool:
-        return fits(row, name, fn)
-
     def time_as(name: str, tokens: int) -> None:
         row["ms"][name] = timed(with_segments(tokens, lambda: call(tensors, kw)))
         print(f"  {row['case']} {name}: {row['ms'][name]:.3f} ms", flush=True)
 
-    attempt("kda-cuda-uncut", lambda: time_as("kda-cuda-uncut", 0))
+    fits(row, "kda-cuda-uncut", lambda: time_as("kda-cuda-uncut", 0))
     q, k, v, g, beta = tensors
     slow = (q, k, v, g - SPLIT_CHECK_GATE_SHIFT, beta)  # long memory: the check's inputs
     uncut = []
-    if not attempt("uncut (check)", lambda: uncut.extend(with_segments(0, lambda: call(slow, kw))())):
+    if not fits(row, "uncut (check)", lambda: uncut.extend(with_segments(0, lambda: call(slow, kw))())):
         return
     row["split_vs_uncut"] = {}
 
@@ -108,8 +105,8 @@ def split_rows(call, tensors, kw: dict, row: dict) -> None:
 
     for tokens in SEGMENT_TOKENS:
         name = f"kda-cuda-seg{tokens}"
-        if attempt(name, lambda: time_as(name, tokens)):
-            attempt(f"{name} (check)", lambda: check(name, tokens))
+        if fits(row, name, lambda: time_as(name, tokens)):
+            fits(row, f"{name} (check)", lambda: check(name, tokens))
 
 
 def long_main(args) -> int:
