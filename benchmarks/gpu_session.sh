@@ -32,7 +32,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -171,6 +171,12 @@ if [[ $step == *chain* ]]; then  # the split's boundary chain alone: steps again
 fi
 if [[ " $step " == *" long "* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"
+fi
+if [[ $step == *longprof* ]]; then  # per-kernel device times of long calls (benchmarks/long_profile.py CASE SEGMENT_TOKENS IMPL, commas for spaces)
+  for a in ${LONGPROF_ARGS:-3,- 3,0 3,-,fla}; do
+    timeout ${LONGPROF_TIMEOUT:-150} python3 benchmarks/long_profile.py ${a//,/ } >> "$OUT/long-profile.log" 2>&1; echo "long_profile $a: exit $?"
+  done
+  grep -v '^{' "$OUT/long-profile.log" | tail -100
 fi
 if [[ $step == *longacc* ]]; then  # one long sequence against the float64 yardstick (benchmarks/long_accuracy.py [T] [H])
   timeout ${LONGACC_TIMEOUT:-300} python3 benchmarks/long_accuracy.py ${LONGACC_ARGS:-} > "$OUT/long-accuracy.log" 2>&1
