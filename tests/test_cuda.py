@@ -705,16 +705,21 @@ def test_gpu_explicit_cuda_on_unsupported_call_names_the_feature(cuda_on):
 
 @pytest.mark.gpu
 @cuda_ready
-@pytest.mark.parametrize("width", [None, "2", "4", "wgmma2"])
-def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypatch, width):
+@pytest.mark.parametrize(
+    "width, paired", [(None, True), ("2", True), ("4", True), ("wgmma2", False), ("wgmma2", True), ("wgmma1", True)]
+)
+def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypatch, width, paired):
     """kda.cuda.forward.chunk_forward_runs (the split's transition runs on one K1, the second with
     v taken as zeros without reading v): each call's outputs are those of the call alone with its
     v, bit for bit (K2 reads the same workspace either way, and a zero v tile is zeros). At the
-    rule's width (K split, for these few pairs) and at the two unsplit ones."""
+    rule's width (K split, for these few pairs) and at the two unsplit ones; on the wgmma K2 a
+    launch a run (``paired`` off) and both runs in one launch (forward.runs_kind), at either count
+    of CTAs an SM."""
     from kda.cuda import forward
     from kda.cuda.forward import chunk_forward_runs
 
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", width)
+    monkeypatch.setattr(kda.cuda, "PAIRED_RUNS", paired)
 
     case = cuda_case([0, 17, 1000, 3000], 4, True, "lower_bound", False, True, seed=23)
     q, k, v, g, beta = case.tensors()
@@ -724,10 +729,21 @@ def test_gpu_cuda_shared_runs_equal_separate_calls_bit_for_bit(cuda_on, monkeypa
         checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | {"initial_state": h0})) for v_run, h0 in runs
     ]
     problems[1].v = v  # the second run's v is zeros, read as such (v_zero): its problem's v is a template
+    outputs = forward._outputs
+
+    def poisoned(p):  # every element unwritten stays NaN, which no comparison below passes
+        o, ht = outputs(p)
+        return o.fill_(float("nan")), ht.fill_(float("nan"))
+
+    monkeypatch.setattr(forward, "_outputs", poisoned)
     with kda.record_dispatch() as events:
         got = chunk_forward_runs(problems, v_zero=[False, True])
+    monkeypatch.setattr(forward, "_outputs", outputs)
     wgmma = [f"cuda:recurrence:{width}"] if width in forward.WGMMA_OVERRIDES else []
-    assert events == ["cuda:prepare", "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
+    if wgmma and paired:  # one K2 launch for both runs
+        assert events == ["cuda:prepare", "cuda:recurrence:runs", *wgmma], events
+    else:
+        assert events == ["cuda:prepare", "cuda:recurrence", *wgmma, "cuda:recurrence", *wgmma], events
     for (o, ht), (v_run, h0) in zip(got, runs, strict=True):
         o_alone, ht_alone = kda.chunk_kda(q, k, v_run, g, beta, backend="cuda", **(kw | {"initial_state": h0}))
         assert torch.equal(o, o_alone) and torch.equal(ht, ht_alone)

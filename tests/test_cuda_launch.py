@@ -33,6 +33,7 @@ class FakeLibcuda:
         self.calls = []
         self.status = status
         self.block = block  # the parameter block the launches pass (loader.DecodeParams for decode)
+        self.second_block = None  # (kernel handle, []): that kernel's second blocks are recorded too
         self.c_function = LAUNCH_PROTOTYPE(self.record)  # kept alive while the fake is used
         self.launch = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(self.c_function, ctypes.c_void_p).value)
 
@@ -40,6 +41,8 @@ class FakeLibcuda:
         argument_array = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
         params = self.block.from_address(argument_array[0])
         self.calls.append((args, self.block.from_buffer_copy(params)))
+        if self.second_block is not None and args[0] == self.second_block[0]:  # a launch of two blocks
+            self.second_block[1].append(self.block.from_buffer_copy(self.block.from_address(argument_array[1])))
         return self.status
 
 
@@ -270,6 +273,47 @@ def test_shared_runs_launch_k1_once_and_k2_for_each_call(load_kernels, monkeypat
     assert (second.q, second.k, second.g, second.beta) == (first.q, first.k, first.g, first.beta)
     # the second run's v is zeros, which its K2 takes without reading v: the bit is in its block only
     assert not first.flags & forward.FLAG_V_ZERO and second.flags == first.flags | forward.FLAG_V_ZERO
+
+
+@pytest.mark.parametrize("warps, ctas", [(None, 2), ("wgmma1", 1)])
+def test_wgmma_runs_go_in_one_launch_of_two_blocks(load_kernels, monkeypatch, warps, ctas):
+    """The split's two transition runs where K2 is the wgmma one (forward.runs_kind): K1 once, for
+    the wgmma tiles, then one K2 launch of both runs' Params blocks, its grid twice a run's (two
+    CTAs an SM past a wave, or as KDA_CUDA_WARPS says); the log says so. With
+    KDA_CUDA_PAIRED_RUNS=0, a launch a run."""
+    libcuda, kernels = fake_device(load_kernels, monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
+    case = make_case(seq_lens=[4096, 100] * 16, H=2, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+    kw = case.kwargs(output_final_state=True)
+    q, k, v, g, beta = case.tensors()
+    runs = [(v, torch.zeros(case.initial_state.shape)), (v, torch.randn(case.initial_state.shape))]
+    problems = [
+        checked_problem(kda.chunk_kda, q, k, v_run, g, beta, **(kw | dict(initial_state=h0))) for v_run, h0 in runs
+    ]
+    name = abi.wgmma_runs_kernel_name(ctas)
+    libcuda.second_block = (int(kernels.kernels[name]), [])
+    pairs = 32 * 2
+    assert 2 * forward.chain_grid(4, pairs) >= 0.9 * 132  # the wgmma K2 by the rule at 132 SMs
+    with kda.record_dispatch() as events:
+        results = forward.chunk_forward_runs(problems, v_zero=[False, True])
+    assert events == ["cuda:prepare", "cuda:recurrence:runs", f"cuda:recurrence:wgmma{ctas}"], events
+    (prepare_args, _), (runs_args, first) = libcuda.calls
+    assert prepare_args[0] == int(kernels.kernels[abi.PREPARE_WGMMA_KERNEL])
+    assert runs_args[0] == int(kernels.kernels[name])
+    grid = 2 * forward.chain_grid(4, pairs)
+    assert runs_args[1:8] == (grid, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(ctas))
+    (second,) = libcuda.second_block[1]
+    for block, (v_run, h0), (o, ht) in zip((first, second), runs, results):
+        assert (block.v, block.h0, block.o, block.ht) == (v_run.data_ptr(), h0.data_ptr(), o.data_ptr(), ht.data_ptr())
+    assert (second.workspace, second.seq_order, second.q) == (first.workspace, first.seq_order, first.q)
+    assert not first.flags & forward.FLAG_V_ZERO and second.flags == first.flags | forward.FLAG_V_ZERO
+    monkeypatch.setattr(kda.cuda, "PAIRED_RUNS", False)
+    libcuda.calls.clear()
+    with kda.record_dispatch() as events:
+        forward.chunk_forward_runs(problems, v_zero=[False, True])
+    alone = forward.recurrence_kind(problems[0], 132, False)  # a run's grid: 128 CTAs, one an SM by the rule
+    assert events == ["cuda:prepare", *(["cuda:recurrence", f"cuda:recurrence:wgmma{alone}"] * 2)], events
 
 
 class FakeStream:

@@ -277,16 +277,21 @@ def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("span", [512, 1024])
-def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span):
+@pytest.mark.parametrize("warps", [None, "wgmma2"])
+def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span, warps):
     """bf16 inputs on the CUDA path split into 10 segments (the chain in blocks) or 5 (one step a
     segment), states in either layout: the uncut call's results. (The V-first states once reached
-    the outputs' kernel with [V, K] strides read as [K, V]: o 0.13 off at 8 segments, run 66.)"""
+    the outputs' kernel with [V, K] strides read as [K, V]: o 0.13 off at 8 segments, run 66.) At
+    the rule's K2 (mma.sync here: few pairs), a launch a run, and on the wgmma K2, whose two
+    transition runs go in one launch (kda.cuda.forward.runs_kind)."""
     import torch
 
+    import kda.cuda
     from helpers import cuda_ready
 
     if cuda_ready.args[0]:
         pytest.skip(cuda_ready.kwargs["reason"])
+    monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
     case = make_case(T=4608 + 80, H=2, K=128, V=128, dtype=torch.bfloat16, state_v_first=layout, device="cuda",
                      seed=90)  # fmt: skip
     case.g = case.g - 6.0  # long memory: a segment's entering state carries through it
@@ -296,8 +301,10 @@ def test_gpu_split_bf16_matches_the_uncut_call(monkeypatch, layout, span):
     with kda.record_dispatch() as events:
         got = kda.chunk_kda(*case.tensors(), **case.kwargs())
     assert f"segments:{span}" in events, events
-    # the two transition runs on one K1 (kda.cuda.forward.chunk_forward_runs)
-    assert events.count("cuda:prepare") == 1 and events.count("cuda:recurrence") == 2, events
+    # the two transition runs on one K1 (kda.cuda.forward.chunk_forward_runs), in one K2 launch on wgmma
+    launches = ["cuda:recurrence:runs"] if warps else ["cuda:recurrence"] * 2
+    assert events.count("cuda:prepare") == 1, events
+    assert [e for e in events if e in ("cuda:recurrence", "cuda:recurrence:runs")] == launches, events
     # two bf16-input computations of the same function: each about 3e-3 from fp64
     moved = (rel(got[0], want[0]), rel(got[1], want[1]))
     assert max(moved) <= 1e-2, moved

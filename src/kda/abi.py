@@ -242,6 +242,12 @@ def wgmma_kernel_name(ctas_per_sm: int) -> str:
     return f"kda_recurrence_wgmma_c{ctas_per_sm}"
 
 
+def wgmma_runs_kernel_name(ctas_per_sm: int) -> str:
+    """The wgmma K2 of two runs on one K1 workspace in one launch (recurrence.cu
+    recurrence_wgmma_runs: two Params blocks, the same shared memory as wgmma_kernel_name's)."""
+    return f"kda_recurrence_wgmma_runs_c{ctas_per_sm}"
+
+
 def wgmma_shared_bytes(ctas_per_sm: int) -> int:
     """Dynamic shared memory of a wgmma K2 CTA: 1 KB to align the stages (the swizzle atoms need
     1024-byte alignment), its stages, two [16, 16] bf16 output tiles a consumer warp."""

@@ -51,19 +51,23 @@ STATE_PRODUCTS = True
 # KDA_CUDA_BLOCKS: the time blocks of a long single sequence whose K1 runs beside K2
 # (kda.cuda.forward.pipeline_blocks; 1: one K1 then one K2), checked where it is used.
 BLOCKS_OVERRIDE: str | None = None
+# The segment split's two transition runs in one K2 launch where K2 is the wgmma one
+# (kda.cuda.forward.runs_kind; KDA_CUDA_PAIRED_RUNS=0: a launch a run).
+PAIRED_RUNS = True
 
 
 def read_switches() -> None:
-    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``
-    and ``KDA_CUDA_STATE_PRODUCTS`` from the environment: once, at import, as an environment
+    """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``,
+    ``KDA_CUDA_STATE_PRODUCTS`` and ``KDA_CUDA_PAIRED_RUNS`` from the environment: once, at import, as an environment
     read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
     against a host budget of 40 us a call. Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, PAIRED_RUNS
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
+    PAIRED_RUNS = os.environ.get("KDA_CUDA_PAIRED_RUNS") != "0"
 
 
 read_switches()

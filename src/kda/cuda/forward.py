@@ -406,10 +406,51 @@ def chunk_forward_runs(
     # critical section of the loader's lock, and another thread's call on the same stream could
     # refill a kept workspace between them.
     tables, workspace = _tables_and_workspace(first, kernels, device_index, stream, capturing, keep=False)
+    extra = [FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0 for i in range(len(problems))]
+    ctas = runs_kind(problems, sm_count(device_index))
+    if ctas:  # K1 (its tiles for the wgmma K2), then both runs in one launch
+        _launch(first, *results[0], workspace, tables, kernels, device_index, stream, True, run_recurrence=False,
+                wgmma_ctas=ctas)  # fmt: skip
+        _launch_runs(problems, results, workspace, tables, kernels, device_index, stream, extra, ctas)
+        return results
     for i, (p, (o, ht)) in enumerate(zip(problems, results)):
-        bits = FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0
-        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=bits)
+        _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=extra[i])
     return results
+
+
+def runs_kind(problems: list[Problem], sms: int) -> int:
+    """CTAs an SM of the two-run wgmma K2 (recurrence.cu ``recurrence_wgmma_runs``) for the runs
+    ``problems`` of :func:`chunk_forward_runs`, or 0 for a K2 launch a run. Two runs whose K2 is
+    the wgmma one (:func:`recurrence_kind` of the first) go in one launch, their CTAs interleaved
+    pair by pair so that the workspace comes from DRAM about once (the segment split's R and P
+    runs: 15 GB of K1 workspace at 2M tokens H8, read by each), one CTA an SM where the doubled
+    grid fits one wave, else two (``KDA_CUDA_WARPS=wgmma1|wgmma2`` fixes it). ``KDA_CUDA_PAIRED_RUNS=0``
+    (read at import) keeps a launch a run."""
+    kind = recurrence_kind(problems[0], sms, False)
+    if not switches.PAIRED_RUNS or len(problems) != 2 or not kind:
+        return 0
+    if switches.WARPS_OVERRIDE in WGMMA_OVERRIDES:
+        return kind
+    return 1 if 2 * chain_grid(4, problems[0].N * problems[0].H) <= sms else 2
+
+
+def _launch_runs(problems, results, workspace, tables, kernels, device_index, stream, extra, ctas: int) -> None:
+    """K2 of two runs on K1's ``workspace`` in one launch (:func:`runs_kind`): each run's own
+    Params block (its v, states, output and ``extra`` flags), the grid twice one run's."""
+    name, shared_bytes = loader.RECURRENCE_WGMMA_RUNS_KERNELS[ctas]
+    blocks = []
+    for p, (o, ht), bits in zip(problems, results, extra):
+        bits |= input_flags(p) | state_flags(p, p.initial_state, ht)
+        blocks.append(chunk_params(p, p.v, p.initial_state, ht, o, workspace, tables, None, bits))
+    first = problems[0]
+    with on_device(device_index), kernels.lock:
+        kernels.bind_context(device_index)
+        kernels.set_params(blocks[0])
+        kernels.set_second_params(blocks[1])
+        kernels.launch(name, (2 * chain_grid(4, first.N * first.H), 1), abi.WGMMA_THREADS, shared_bytes, stream, "runs")
+    note("cuda:recurrence:runs")
+    note(f"cuda:recurrence:wgmma{ctas}")
+    log_once(f"chunk_kda: two runs' K2 in one launch on wgmma, {ctas} CTA(s) an SM ({name})")
 
 
 def share_prepare(problems: list[Problem]) -> bool:

@@ -109,6 +109,10 @@ RECURRENCE_KERNELS = {
 RECURRENCE_WGMMA_KERNELS = {
     ctas: (abi.wgmma_kernel_name(ctas), abi.wgmma_shared_bytes(ctas)) for ctas in abi.WGMMA_STAGES
 }
+# The same, two runs on one K1 workspace in one launch (forward.chunk_forward_runs).
+RECURRENCE_WGMMA_RUNS_KERNELS = {
+    ctas: (abi.wgmma_runs_kernel_name(ctas), abi.wgmma_shared_bytes(ctas)) for ctas in abi.WGMMA_STAGES
+}
 # The training backward's reverse chain: K2's pipeline and stages, so its shared memory.
 CHAIN_KERNELS = {
     warps: (f"kda_state_grad_chain_w{warps}", abi.recurrence_shared_bytes(warps)) for warps in abi.CHAIN_WIDTHS
@@ -119,7 +123,8 @@ PRODUCTS_KERNEL = ("kda_state_products", abi.products_shared_bytes())
 PRODUCT_THREADS = 32 * (abi.PRODUCT_WARPS + 1)  # the consumer warps and one producer warp
 # recurrence.fatbin's entry points with their dynamic shared memory (set as each one's maximum).
 SIZED_KERNELS = (
-    *RECURRENCE_KERNELS.values(), *RECURRENCE_WGMMA_KERNELS.values(), *CHAIN_KERNELS.values(), PRODUCTS_KERNEL
+    *RECURRENCE_KERNELS.values(), *RECURRENCE_WGMMA_KERNELS.values(), *RECURRENCE_WGMMA_RUNS_KERNELS.values(),
+    *CHAIN_KERNELS.values(), PRODUCTS_KERNEL,
 )  # fmt: skip
 
 
@@ -237,6 +242,11 @@ class Kernels:
                 self.kernels[name] = check(driver.cuLibraryGetKernel(library, name.encode()), f"finding {name}")
         self.params = Params()
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        # (the second block of a two-run launch, the "runs" arguments: both blocks)
+        self.second_params = Params()
+        self.runs_argument_array = (ctypes.c_void_p * 2)(
+            ctypes.addressof(self.params), ctypes.addressof(self.second_params)
+        )
         self.decode_params = DecodeParams()
         self.decode_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.decode_params))
         self.tables_params = TablesParams()
@@ -253,6 +263,7 @@ class Kernels:
             block: (ctypes.addressof(array), ctypes.c_void_p(ctypes.addressof(array)))
             for block, array in (
                 ("chunk", self.argument_array),
+                ("runs", self.runs_argument_array),
                 ("decode", self.decode_argument_array),
                 ("tables", self.tables_argument_array),
             )
@@ -262,6 +273,10 @@ class Kernels:
     def set_params(self, values: tuple) -> None:
         """Write the :class:`Params` block: ``values`` in field order (hold :attr:`lock`)."""
         PARAMS_LAYOUT.pack_into(self.params, 0, *values)
+
+    def set_second_params(self, values: tuple) -> None:
+        """Write the second :class:`Params` block of a "runs" launch (hold :attr:`lock`)."""
+        PARAMS_LAYOUT.pack_into(self.second_params, 0, *values)
 
     def set_decode_params(self, values: tuple) -> None:
         """Write the :class:`DecodeParams` block: ``values`` in field order (hold :attr:`lock`)."""
@@ -316,7 +331,8 @@ class Kernels:
         self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, block: str = "chunk"
     ) -> None:
         """Launch ``name`` with the current contents of its parameter block: ``block`` "chunk"
-        (:attr:`params`), "decode" (:attr:`decode_params`) or "tables" (:attr:`tables_params`).
+        (:attr:`params`), "runs" (:attr:`params`, then :attr:`second_params`), "decode"
+        (:attr:`decode_params`) or "tables" (:attr:`tables_params`).
         The driver copies it at launch, so the block may be refilled for the next launch at once."""
         if not (0 < grid[0] < 2**31 and 0 < grid[1] < 2**16):  # ctypes would wrap past 2^32 silently
             raise ValueError(f"{name}: grid {grid} is outside CUDA's limits (x < 2^31, y < 2^16)")

@@ -97,11 +97,12 @@ struct ChainSlice {
   static constexpr int kSlices = kHeadDim / Stage<WARPS>::kBV;
   int64_t nh, n, h, bos, eos, c_first, num_chunks;
   int v0, v_warp;  // first V row of this CTA, of this warp
-  __device__ ChainSlice(const Params& p, int warp) {
-    nh = p.seq_order[blockIdx.x / kSlices];
+  // cta: the CTA's index in the launch of one run (blockIdx.x but in recurrence_wgmma_runs)
+  __device__ ChainSlice(const Params& p, int warp, int64_t cta = blockIdx.x) {
+    nh = p.seq_order[cta / kSlices];
     n = nh / p.heads;
     h = nh % p.heads;
-    v0 = (blockIdx.x % kSlices) * Stage<WARPS>::kBV;
+    v0 = static_cast<int>(cta % kSlices) * Stage<WARPS>::kBV;
     v_warp = v0 + warp * 16;
     bos = p.seq_offsets[n];
     eos = p.seq_offsets[n + 1];
@@ -1018,7 +1019,7 @@ static_assert(WorkspaceLayout::inverse_beta_hi % 16 == 0 && WorkspaceLayout::inv
 // copy; 128 threads, so the two-CTA loop unrolls too) was slower (1x8192 H96 0.853 ms against
 // 0.819 for the call; baf32fe).
 template <int CTAS>
-__device__ __forceinline__ void recurrence_wgmma(const Params& p) {
+__device__ __forceinline__ void recurrence_wgmma(const Params& p, int64_t cta = blockIdx.x) {
   constexpr int kWgmmaStages = wgmma_stages(CTAS);
   static_assert(wgmma_shared_bytes(CTAS) == 1024 + kWgmmaStages * kWgmmaStageBytes + 4 * 2 * Stage<4>::kOutBytes,
                 "abi.wgmma_shared_bytes lays out this kernel's shared memory");
@@ -1031,7 +1032,7 @@ __device__ __forceinline__ void recurrence_wgmma(const Params& p) {
   unsigned char* smem = smem_raw + ((1024 - cute::cast_smem_ptr_to_uint(smem_raw) % 1024) % 1024);
   const Lane lane;
   const int warp = threadIdx.x / 32;
-  const ChainSlice<4> cs(p, warp);
+  const ChainSlice<4> cs(p, warp, cta);
   const int64_t h = cs.h, bos = cs.bos, eos = cs.eos, num_chunks = cs.num_chunks;
   const int v_warp = cs.v_warp;
 
@@ -1192,6 +1193,30 @@ extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1) kda_recurrence_wg
 }
 extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2) kda_recurrence_wgmma_c2(const Params p) {
   recurrence_wgmma<2>(p);
+}
+// The segment split's two transition runs in one launch (kda.cuda.forward.chunk_forward_runs,
+// abi.wgmma_runs_kernel_name): ``first`` and ``second`` differ in v, the states and the output
+// only (K1's workspace is the same), and the grid interleaves them pair by pair, (first's V
+// slices, second's V slices) of each (sequence, head) pair, so that the four CTAs reading a
+// workspace block are resident together and the block comes from DRAM about once, where two
+// launches read the whole workspace twice. Each CTA is K2 of its run as recurrence_wgmma, on
+// its own Params (both inlined: a Params picked at run time would be addressed through memory).
+template <int CTAS>
+__device__ __forceinline__ void recurrence_wgmma_runs(const Params& first, const Params& second) {
+  constexpr int kSlices = ChainSlice<4>::kSlices;
+  const int64_t cta = blockIdx.x / (2 * kSlices) * kSlices + blockIdx.x % kSlices;
+  if (blockIdx.x / kSlices % 2 == 0)
+    recurrence_wgmma<CTAS>(first, cta);
+  else
+    recurrence_wgmma<CTAS>(second, cta);
+}
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 1)
+    kda_recurrence_wgmma_runs_c1(const Params first, const Params second) {
+  recurrence_wgmma_runs<1>(first, second);
+}
+extern "C" __global__ void __launch_bounds__(kWgmmaThreads, 2)
+    kda_recurrence_wgmma_runs_c2(const Params first, const Params second) {
+  recurrence_wgmma_runs<2>(first, second);
 }
 // The training backward's reverse chain at K2's two narrow widths (abi.CHAIN_WIDTHS): at four
 // warps and 128 registers it spilled 52 B (ptxas, nvcc 13.0, 2026-12-02).
