@@ -57,6 +57,8 @@ REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
                     abi.wgmma_kernel_name(1): 255, abi.wgmma_kernel_name(2): 168,
+                    # the same K2, two runs a launch (the segment split's): the same ceilings
+                    abi.wgmma_runs_kernel_name(1): 255, abi.wgmma_runs_kernel_name(2): 168,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
                     loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
