@@ -79,6 +79,19 @@ AUTO_MIN_SEGMENTS = 8
 CHAIN_STEPS_UP_TO = 8
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a table the split computes on the host) on ``device`` without a device sync:
+    on a GPU through pinned memory, a copy in stream order (torch keeps the pinned block until the
+    copy is done). A pageable ``.to(device)`` waits for the stream to drain, and one after the
+    transition runs were queued left the GPU idle while the host queued the boundary chain's
+    small products one by one: the 2M H8 call's wall time was 3-4 ms above its kernels' sum on an
+    H100 (2026-12-05, run 148, benchmarks/long_profile.py)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def segment_tokens() -> int | None:
     """The segment length ``KDA_SEGMENT_TOKENS`` asks for: None when unset (the automatic
     choice), 0 for no split."""
@@ -142,7 +155,7 @@ def chunk_kda_segmented(
     segs = offsets.shape[0] - 1
     log_once(f"chunk_kda: split {len(lengths)} sequences into {segs} segments of <= {span} tokens ({why})")
     note(f"segments:{span}")
-    kw = dict(kw, cu_seqlens=offsets.to(q.device), cu_seqlens_cpu=offsets)
+    kw = dict(kw, cu_seqlens=to_device(offsets, q.device), cu_seqlens_cpu=offsets)
 
     P, R, o_zero, o_P = affine_transitions(chunk_kda, *flat, kw, segs, outputs=True, runs=runs)
     S0 = torch.zeros(len(lengths), HV, K, V, dtype=torch.float64, device=q.device)
@@ -215,7 +228,7 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
     for part, chain in ((longs, lambda *a: chain_blocks(*a, b)), (shorts, chain_steps)):
         if part:
             at = torch.tensor([j for n in part for j in range(first[n], first[n + 1])], dtype=torch.int64)
-            at, seqs = at.to(S0.device), torch.tensor(part, dtype=torch.int64).to(S0.device)
+            at, seqs = to_device(at, S0.device), to_device(torch.tensor(part, dtype=torch.int64), S0.device)
             starts[at], finals[seqs] = chain(P[at], R[at], S0[seqs], [counts[n] for n in part])
     return starts, finals
 
@@ -234,7 +247,7 @@ def chain_blocks(P, R, S0, counts: list[int], b: int) -> tuple[torch.Tensor, tor
     for c, nb in zip(counts, blocks):
         slot += [(j % b) * nblocks + m0 + j // b for j in range(c)]
         m0 += nb
-    slot_t = torch.tensor(slot, dtype=torch.int64).to(device)
+    slot_t = to_device(torch.tensor(slot, dtype=torch.int64), device)
     maps = torch.zeros(b * nblocks, HV, K, K + V, dtype=torch.float64, device=device)
     maps[..., :K] = torch.eye(K, dtype=torch.float64, device=device)
     maps[slot_t, ..., :K] = P.double()
@@ -267,7 +280,7 @@ def chain_steps(P, R, S0, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor
             going -= 1
         active.append(going)
     gather = [first[n] + j for j in range(steps) for n in order[: active[j]]]  # segment ids, step by step
-    index = torch.tensor(order + gather, dtype=torch.int64).to(S0.device)  # one host-to-device copy
+    index = to_device(torch.tensor(order + gather, dtype=torch.int64), S0.device)  # one host-to-device copy
     order_t, gather_t = index[:N], index[N:]
     P, R = P[gather_t].double(), R[gather_t].double()
     S = S0.double()[order_t]

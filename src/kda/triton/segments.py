@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda.segments import to_device
 from kda.triton.common import interpreting
 
 ROWS = 128  # tokens of one segment a program
@@ -76,7 +77,7 @@ def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None =
     out = torch.empty(o_zero.shape, dtype=o_zero.dtype, device=o_zero.device) if out is None else out
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    table = block_table(offsets).to(o_zero.device)
+    table = to_device(block_table(offsets), o_zero.device)
     if table.shape[0] == 0:
         return out
     # (contiguous: the kernel indexes them so; the chain's states keep the caller's layout's
