@@ -224,6 +224,38 @@ def test_no_call_is_split_under_a_graph_capture(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_split_call_waits_for_no_device_sync(monkeypatch):
+    """The split's host tables (the segment offsets, the chain's indices, the outputs' block table)
+    reach the device in stream order (segments.to_device, 3164ca1): a pageable copy waits for the
+    stream to drain, and one queued after the transition runs left the GPU idle while the host
+    queued the boundary chain (the 2M H8 call's wall time about 5 ms above its kernels' sum, H200,
+    2026-12-05, run 150). Under torch's sync debug mode a synchronizing call raises. 19 segments
+    (the chain in blocks: more than CHAIN_STEPS_UP_TO) at both K2 kinds."""
+    import torch
+
+    import kda.cuda
+    from helpers import cuda_ready
+
+    if cuda_ready.args[0]:
+        pytest.skip(cuda_ready.kwargs["reason"])
+    case = make_case(T=4608 + 80, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=91)
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "256")
+    args, kw = case.tensors(), case.kwargs()
+    for warps in (None, "wgmma2"):
+        monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
+        want = kda.chunk_kda(*args, **kw)  # (compiles the Triton kernels, fills the pinned-memory cache)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with kda.record_dispatch() as events:
+                got = kda.chunk_kda(*args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert "segments:256" in events and "cuda:prepare" in events, events
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
 def test_gpu_automatic_split_runs_where_chains_are_few(monkeypatch):
     """A call the CUDA path runs, one long sequence and one head: split automatically (at the
     real constants, 131152 tokens; and at small ones), at auto_span's length, said in the dispatch

@@ -84,8 +84,9 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     on a GPU through pinned memory, a copy in stream order (torch keeps the pinned block until the
     copy is done). A pageable ``.to(device)`` waits for the stream to drain, and one after the
     transition runs were queued left the GPU idle while the host queued the boundary chain's
-    small products one by one: the 2M H8 call's wall time was 3-4 ms above its kernels' sum on an
-    H100 (2026-12-05, run 148, benchmarks/long_profile.py)."""
+    small products one by one: the 2M H8 call's wall time was about 5 ms above its kernels' sum
+    on the H200 with pageable copies, 1.1 ms with these (2026-12-05, run 150,
+    benchmarks/long_profile.py; 0.306 of fla's time, benchmarks/NOTES.md)."""
     device = torch.device(device)
     if device.type != "cuda":
         return x.to(device)
