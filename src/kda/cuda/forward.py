@@ -388,8 +388,9 @@ def chunk_forward_runs(
     """:func:`chunk_forward` of calls that differ in v and the initial state only (the segment
     split's transition runs: v from zero states, and v = 0 from the identity's columns): K1's
     workspace holds neither (kda_cuda.cuh), so K1 runs once, for the first, and K2 once a call
-    on its workspace (two calls on the wgmma K2: one launch for both, :func:`runs_kind`). Saves a K1 pass a run after the first (about 45% of a pass on 1x8192 H96:
-    K1 0.468 ms, K2 0.548, README). ``v_zero[i]``: call i's v is zeros, which its K2 takes
+    on its workspace (two calls on the wgmma K2: one launch for both, :func:`runs_kind`). Saves a
+    K1 pass a run after the first (about 45% of a pass on 1x8192 H96: K1 0.468 ms, K2 0.548,
+    README). ``v_zero[i]``: call i's v is zeros, which its K2 takes
     without reading v (the ``v_zero`` flag; the problem's v is then only a template of its
     shape). Raises ValueError where the calls differ in what K1 reads."""
     first = problems[0]
