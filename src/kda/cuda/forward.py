@@ -439,10 +439,8 @@ def _launch_runs(problems, results, workspace, tables, kernels, device_index, st
     """K2 of two runs on K1's ``workspace`` in one launch (:func:`runs_kind`): each run's own
     Params block (its v, states, output and ``extra`` flags), the grid twice one run's."""
     name, shared_bytes = loader.RECURRENCE_WGMMA_RUNS_KERNELS[ctas]
-    blocks = []
-    for p, (o, ht), bits in zip(problems, results, extra):
-        bits |= input_flags(p) | state_flags(p, p.initial_state, ht)
-        blocks.append(chunk_params(p, p.v, p.initial_state, ht, o, workspace, tables, None, bits))
+    blocks = [forward_params(p, o, ht, workspace, tables, extra_bits=bits)
+              for p, (o, ht), bits in zip(problems, results, extra)]  # fmt: skip
     first = problems[0]
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
@@ -577,6 +575,16 @@ def workspace_address(workspace: torch.Tensor) -> int:
     return address
 
 
+def forward_params(p, o, ht, workspace, tables, checkpoints=None, extra_bits: int = 0) -> tuple:
+    """:func:`chunk_params` of K1 and K2 of ``p`` (its v and initial state) into ``o`` and ``ht``:
+    its input and state flags, store_checkpoints where ``checkpoints`` are given, and
+    ``extra_bits`` (such as v_zero)."""
+    bits = input_flags(p) | state_flags(p, p.initial_state, ht) | extra_bits
+    if checkpoints is not None:
+        bits |= FLAG_STORE_CHECKPOINTS
+    return chunk_params(p, p.v, p.initial_state, ht, o, workspace, tables, checkpoints, bits)
+
+
 def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=None) -> tuple:
     """loader.Params field by field: ``p``'s inputs, with v, the state read and written, the
     output, the workspace and the checkpoints given, and q where given (the training backward's
@@ -600,11 +608,8 @@ def _launch(
     ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
     flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
     K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``)."""
-    N, H, h0 = p.N, p.H, p.initial_state
+    N, H = p.N, p.H
     num_chunks = tables.num_chunks
-    bits = input_flags(p) | state_flags(p, h0, ht) | extra_bits
-    if checkpoints is not None:
-        bits |= FLAG_STORE_CHECKPOINTS
     sms = sm_count(device_index)
     if wgmma_ctas is None:
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
@@ -615,7 +620,7 @@ def _launch(
         warps, ksplit = recurrence_width(N * H, sms)
         prepare_name, (name, shared_bytes) = prepare_kernel(p), loader.RECURRENCE_KERNELS[warps, ksplit]
         grid, threads = (chain_grid(warps, N * H), 1), 32 * (warps * ksplit + 1)  # consumers and a producer warp
-    params = chunk_params(p, p.v, h0, ht, o, workspace, tables, checkpoints, bits)
+    params = forward_params(p, o, ht, workspace, tables, checkpoints, extra_bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
