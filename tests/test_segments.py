@@ -96,14 +96,15 @@ def test_chain_boundaries_step_all_sequences_together(block, counts):
         assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
 
 
-@pytest.mark.parametrize("tiles", [1, 2, 3])
-def test_outputs_from_entering_states_in_one_kernel(tiles):
+@pytest.mark.parametrize("tiles, heads_first", [(1, False), (2, False), (3, False), (1, True), (3, True)])
+def test_outputs_from_entering_states_in_one_kernel(tiles, heads_first):
     """kda.triton.segments.add_entering_states (the split's last step on a GPU for 16-bit outputs;
     the interpreter on CPU) against segments.entering_outputs' float64 products: segments of 5, 130
     (two blocks of 128 tokens), 1 and 64 tokens, K = 16 and V = 8 (padded to 16 in the kernel), bf16
     o, the states with [V, K] strides (as the chain leaves states of the V-first layout); every
-    element of a NaN-filled output written. At 1, 2 and 3 tiles of 128 tokens a program: the
-    same bits as one (each tile's arithmetic is the same)."""
+    element of a NaN-filled output written. At 1, 2 and 3 tiles of 128 tokens a program, a head's
+    blocks or a block's heads one after another: the same bits as one tile in the first order
+    (each tile's arithmetic is the same)."""
     import itertools
 
     import torch
@@ -121,9 +122,10 @@ def test_outputs_from_entering_states_in_one_kernel(tiles):
     starts = torch.randn(len(lengths), HV, V, K, generator=gen, dtype=torch.float64).transpose(-1, -2)
     want = segments.entering_outputs(o_zero, o_P, starts, offsets)  # (CPU tensors: the float64 products)
     on = [x.to(DEVICE) for x in (o_zero, o_P, starts)]
-    got = add_entering_states(*on, offsets, out=torch.full_like(on[0], float("nan")), tiles=tiles).cpu()
+    got = add_entering_states(*on, offsets, out=torch.full_like(on[0], float("nan")), tiles=tiles,
+                              heads_first=heads_first).cpu()  # fmt: skip
     assert not got.isnan().any(), "an output element was not written"
-    assert torch.equal(got, add_entering_states(*on, offsets, tiles=1).cpu())
+    assert torch.equal(got, add_entering_states(*on, offsets, tiles=1, heads_first=False).cpu())
     # nearly the same sum rounded to bf16 (S to 16 bits in the kernel, so a sum that cancels can
     # move by more than its own last bit; and the interpreter truncates to bf16): at most a bf16
     # step of the largest value apart, and by a bf16 step or less in RMS

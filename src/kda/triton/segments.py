@@ -25,6 +25,11 @@ ROWS = 128  # tokens of one segment a tile
 # H200 (2.1 TB/s of 4.28; 2026-12-05, run 150), each program reading the state from L2 for 128
 # tokens. KDA_SPLIT_OUTPUT_TILES (read at import) sets it for an A/B (benchmarks/NOTES.md).
 TILES = int(os.environ.get("KDA_SPLIT_OUTPUT_TILES", "1"))
+# The programs' order: a token block's heads one after another (1), so that programs running
+# together read whole tokens (HV x K contiguous), or a head's blocks one after another (the
+# order until measured otherwise: programs running together read a head's 256-byte rows, 2 KB
+# apart at H8). KDA_SPLIT_OUTPUT_HEADS_FIRST (read at import) sets it for an A/B.
+HEADS_FIRST = os.environ.get("KDA_SPLIT_OUTPUT_HEADS_FIRST") == "1"
 MAX_SIDE = 128  # K and V: at 256 a program's tiles ask for 192-320 KB of shared memory (sm_90 holds 227)
 
 
@@ -32,10 +37,15 @@ MAX_SIDE = 128  # K and V: at 256 a program's tiles ask for 192-320 KB of shared
 def add_entering_states_kernel(
     o_zero, o_P, s_hi, s_lo, out, table,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr,
-    TILES: tl.constexpr, INTERPRET: tl.constexpr,
+    blocks, TILES: tl.constexpr, HEADS_FIRST: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
-    h = tl.program_id(1)
+    pid = tl.program_id(0).to(tl.int64)
+    if HEADS_FIRST:
+        i = pid // HV
+        h = pid % HV
+    else:
+        i = pid % blocks
+        h = pid // blocks
     seg = tl.load(table + 3 * i)  # (segment, first token, end token), int64
     t0 = tl.load(table + 3 * i + 1)
     t1 = tl.load(table + 3 * i + 2)
@@ -75,14 +85,17 @@ def block_table(offsets: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
 
 
 def add_entering_states(
-    o_zero, o_P, starts, offsets, out: torch.Tensor | None = None, tiles: int | None = None
-) -> torch.Tensor:
+    o_zero, o_P, starts, offsets, out: torch.Tensor | None = None, tiles: int | None = None,
+    heads_first: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``o_zero + o_P S`` ([1, T, HV, V] in o_zero's dtype, bf16; into ``out`` where given) with
     S = ``starts[j]`` ([segs, HV, K, V], float64, K-first) for the tokens of segment j
     (``offsets`` [segs + 1], on the host, covering the T tokens); K and V up to MAX_SIDE (a
     program's tiles, 96 KB of shared memory at 128, compiled for sm_90). ``tiles``: of ROWS
-    tokens a program (default TILES); each tile's arithmetic is the same whatever the count."""
+    tokens a program (default TILES); ``heads_first``: the programs' order (default HEADS_FIRST).
+    Each tile's arithmetic is the same whatever the count and order."""
     tiles = TILES if tiles is None else tiles
+    heads_first = HEADS_FIRST if heads_first is None else heads_first
     if tiles < 1:
         raise ValueError(f"tiles must be at least 1, got {tiles}")
     _, T, HV, V = o_zero.shape
@@ -103,8 +116,9 @@ def add_entering_states(
     s_lo = (starts - s_hi.double()).to(torch.bfloat16).contiguous()
     # (tl.dot wants sides of 16 or more)
     KP, VP = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    add_entering_states_kernel[(table.shape[0], HV)](
+    blocks = table.shape[0]
+    add_entering_states_kernel[(blocks * HV,)](
         o_zero.contiguous(), o_P.contiguous(), s_hi, s_lo, out, table, HV=HV, K=K, V=V, KP=KP, VP=VP, BT=ROWS,
-        TILES=tiles, INTERPRET=interpreting(), num_warps=8,
+        blocks=blocks, TILES=tiles, HEADS_FIRST=heads_first, INTERPRET=interpreting(), num_warps=8,
     )  # fmt: skip
     return out
