@@ -32,7 +32,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -177,6 +177,12 @@ if [[ $step == *longprof* ]]; then  # per-kernel device times of long calls (ben
     timeout ${LONGPROF_TIMEOUT:-150} python3 benchmarks/long_profile.py ${a//,/ } >> "$OUT/long-profile.log" 2>&1; echo "long_profile $a: exit $?"
   done
   grep -v '^{' "$OUT/long-profile.log" | tail -100
+fi
+if [[ $step == *outsweep* ]]; then  # the split's outputs' kernel at several launches, then the whole call (benchmarks/output_launch_sweep.py)
+  for c in ${SWEEP_CASES:-3}; do
+    timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/output_launch_sweep.py "$OUT/output-launch-sweep-case$c.json" $c \
+      > "$OUT/output-sweep-case$c.log" 2>&1; echo "output_launch_sweep $c: exit $?"; tail -30 "$OUT/output-sweep-case$c.log"
+  done
 fi
 if [[ $step == *longacc* ]]; then  # one long sequence against the float64 yardstick (benchmarks/long_accuracy.py [T] [H])
   timeout ${LONGACC_TIMEOUT:-300} python3 benchmarks/long_accuracy.py ${LONGACC_ARGS:-} > "$OUT/long-accuracy.log" 2>&1

@@ -96,23 +96,36 @@ def test_chain_boundaries_step_all_sequences_together(block, counts):
         assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
 
 
-@pytest.mark.parametrize("tiles, heads_first", [(1, False), (2, False), (3, False), (1, True), (3, True)])
-def test_outputs_from_entering_states_in_one_kernel(tiles, heads_first):
+# (the launches' forms: tiles unrolled or in Triton's pipelined loop, both program orders, the V
+# side in two slices, fewer warps; V = 8 pads to 16, so two slices go as K = V = 32 below)
+LAUNCHES = [
+    dict(),
+    dict(tiles=2),
+    dict(tiles=3, heads_first=True),
+    dict(tiles=3, stages=2),
+    dict(heads_first=True, v_parts=2, warps=4),
+    dict(tiles=2, stages=3, v_parts=2),
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_outputs_from_entering_states_in_one_kernel(launch):
     """kda.triton.segments.add_entering_states (the split's last step on a GPU for 16-bit outputs;
     the interpreter on CPU) against segments.entering_outputs' float64 products: segments of 5, 130
     (two blocks of 128 tokens), 1 and 64 tokens, K = 16 and V = 8 (padded to 16 in the kernel), bf16
     o, the states with [V, K] strides (as the chain leaves states of the V-first layout); every
-    element of a NaN-filled output written. At 1, 2 and 3 tiles of 128 tokens a program, a head's
-    blocks or a block's heads one after another: the same bits as one tile in the first order
-    (each tile's arithmetic is the same)."""
+    element of a NaN-filled output written. Each of LAUNCHES (tiles a program, the tiles' loop,
+    the programs' order, V slices, warps) gives the same bits as the default launch; with two V
+    slices the heads are K = V = 32 (8 columns pad to one slice of 16)."""
     import itertools
 
     import torch
 
     from kda import segments
-    from kda.triton.segments import add_entering_states, block_table
+    from kda.triton.segments import Launch, add_entering_states, block_table
 
-    lengths, HV, K, V = [5, 130, 1, 64], 2, 16, 8
+    launch = Launch(**launch)
+    lengths, HV, K, V = [5, 130, 1, 64], 2, *((32, 32) if launch.v_parts > 1 else (16, 8))
     offsets = torch.tensor([0, *itertools.accumulate(lengths)])
     assert block_table(offsets).tolist() == [[0, 0, 5], [1, 5, 133], [1, 133, 135], [2, 135, 136], [3, 136, 200]]
     gen = torch.Generator().manual_seed(89)
@@ -122,10 +135,9 @@ def test_outputs_from_entering_states_in_one_kernel(tiles, heads_first):
     starts = torch.randn(len(lengths), HV, V, K, generator=gen, dtype=torch.float64).transpose(-1, -2)
     want = segments.entering_outputs(o_zero, o_P, starts, offsets)  # (CPU tensors: the float64 products)
     on = [x.to(DEVICE) for x in (o_zero, o_P, starts)]
-    got = add_entering_states(*on, offsets, out=torch.full_like(on[0], float("nan")), tiles=tiles,
-                              heads_first=heads_first).cpu()  # fmt: skip
+    got = add_entering_states(*on, offsets, out=torch.full_like(on[0], float("nan")), launch=launch).cpu()
     assert not got.isnan().any(), "an output element was not written"
-    assert torch.equal(got, add_entering_states(*on, offsets, tiles=1, heads_first=False).cpu())
+    assert torch.equal(got, add_entering_states(*on, offsets).cpu())
     # nearly the same sum rounded to bf16 (S to 16 bits in the kernel, so a sum that cancels can
     # move by more than its own last bit; and the interpreter truncates to bf16): at most a bf16
     # step of the largest value apart, and by a bf16 step or less in RMS
@@ -136,6 +148,10 @@ def test_outputs_from_entering_states_in_one_kernel(tiles, heads_first):
     with pytest.raises(ValueError, match="at most 128"):
         big = torch.zeros(1, T, HV, 256, dtype=torch.bfloat16, device=DEVICE)
         add_entering_states(big, on[1], on[2].new_zeros(len(lengths), HV, K, 256), offsets)
+    with pytest.raises(ValueError, match="v_parts must split"):  # (slices of 4 or 8 columns)
+        add_entering_states(*on, offsets, launch=Launch(v_parts=4))
+    with pytest.raises(ValueError, match="tiles must be at least 1"):
+        Launch(tiles=0)
 
 
 def test_training_calls_and_short_sequences_are_not_split(monkeypatch):

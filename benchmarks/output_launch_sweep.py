@@ -1,0 +1,105 @@
+"""The split's outputs' kernel (kda.triton.segments.add_entering_states) at several launches, then
+the whole long call with the fastest beside the default and fla (device runs).
+
+``python benchmarks/output_launch_sweep.py OUT.json [CASE]``: CASE a ``kda bench --long`` case
+number (default 3, 1x2097152 H8). First the kernel alone on that call's shapes (its segments as
+the automatic split cuts them, random bf16 o_zero and o_P, float64 states): do_bench median of
+every launch in LAUNCHES, the bytes it must move over that time, and whether its outputs equal
+the default launch's bit for bit. Then the whole call (``kda-cuda``) with kda.triton.segments.LAUNCH
+set to the default and to the fastest, in turn, twice, and fla once, do_bench medians in this
+process. Written 2026-12-05 for issue 13: the kernel moved 12.9 GB in 6.08 ms on the H200 (run 150)."""
+
+import dataclasses
+import json
+import sys
+
+import torch
+import triton.testing
+
+from kda import segments
+from kda.bench import contenders, make_inputs, measure_copy_tbps, versions
+from kda.bench_long import LONG_CASES, timed
+from kda.triton import segments as out_kernel
+from kda.triton.segments import Launch
+
+LAUNCHES = [
+    Launch(),
+    Launch(tiles=2),
+    Launch(tiles=4),
+    Launch(tiles=8),
+    Launch(tiles=4, stages=2),
+    Launch(tiles=8, stages=2),
+    Launch(tiles=16, stages=2),
+    Launch(tiles=8, stages=3),
+    Launch(heads_first=True),
+    Launch(tiles=4, heads_first=True),
+    Launch(tiles=8, stages=2, heads_first=True),
+    Launch(v_parts=2),
+    Launch(v_parts=2, warps=4),
+    Launch(tiles=4, v_parts=2, warps=4),
+    Launch(tiles=8, stages=2, v_parts=2, warps=4),
+    Launch(tiles=4, warps=4),
+    Launch(tiles=8, stages=2, warps=4),
+]
+
+out_path = sys.argv[1]
+case = LONG_CASES[int(sys.argv[2]) if len(sys.argv) > 2 else 3]
+(T,), HV, K = case["seq_lens"], case["H"], 128
+span = segments.auto_span([T], HV, torch.cuda.get_device_properties(0).multi_processor_count)
+offsets = torch.tensor([*range(0, T, span or T), T])
+
+
+def sweep(report: dict) -> None:
+    """The kernel alone at every launch of LAUNCHES, rows into ``report["kernel"]``."""
+    gen = torch.Generator(device="cuda").manual_seed(151)
+    o_zero = torch.randn(1, T, HV, K, device="cuda", generator=gen).bfloat16()
+    o_P = torch.randn(1, T, HV, K, device="cuda", generator=gen).bfloat16()
+    starts = torch.randn(offsets.numel() - 1, HV, K, K, device="cuda", generator=gen, dtype=torch.float64) / K
+    moved = 3 * o_zero.numel() * 2  # o_zero and o_P read, o written
+    want = out_kernel.add_entering_states(o_zero, o_P, starts, offsets, launch=Launch())
+    for launch in LAUNCHES:
+        got = torch.full_like(o_zero, float("nan"))
+        try:
+            out_kernel.add_entering_states(o_zero, o_P, starts, offsets, out=got, launch=launch)
+            same = bool(torch.equal(got, want))
+            ms = triton.testing.do_bench(
+                lambda launch=launch, got=got: out_kernel.add_entering_states(
+                    o_zero, o_P, starts, offsets, out=got, launch=launch
+                ),
+                warmup=25, rep=200, return_mode="median",
+            )  # fmt: skip
+        except Exception as e:  # (a launch that does not compile or fit: its row says why)
+            report["kernel"].append({"launch": dataclasses.asdict(launch), "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"  {launch}: {type(e).__name__}", flush=True)
+            continue
+        report["kernel"].append({"launch": dataclasses.asdict(launch), "ms": ms, "TBps": moved / ms / 1e9,
+                                 "same_bits": same})  # fmt: skip
+        print(f"  {launch}: {ms:.3f} ms, {moved / ms / 1e9:.2f} TB/s, same bits {same}", flush=True)
+
+
+report = {"case": case["name"], "span": span, "gpu": torch.cuda.get_device_name(), "versions": versions(),
+          "copy_TBps": measure_copy_tbps(), "kernel": [], "call": []}  # fmt: skip
+print(f"{case['name']}: segments of {span} tokens; copy {report['copy_TBps']:.2f} TB/s", flush=True)
+sweep(report)
+torch.cuda.empty_cache()
+
+ran = [row for row in report["kernel"] if "ms" in row and row["same_bits"]]
+best = Launch(**min(ran, key=lambda row: row["ms"])["launch"])
+report["best"] = dataclasses.asdict(best)
+print(f"fastest with the default's bits: {best}", flush=True)
+
+calls = contenders()
+tensors, kw = make_inputs(case)
+with torch.inference_mode():
+    for name, launch in [("default", Launch()), ("best", best)] * 2 + [("fla", None)]:
+        if launch is not None:
+            out_kernel.LAUNCH = launch
+        call = calls["fla" if launch is None else "kda-cuda"]
+        call(tensors, kw)
+        torch.cuda.synchronize()
+        ms = timed(lambda call=call: call(tensors, kw))
+        report["call"].append({"name": name, "ms": ms})
+        print(f"  whole call, {name}: {ms:.3f} ms", flush=True)
+out_kernel.LAUNCH = Launch()
+with open(out_path, "w") as f:
+    json.dump(report, f, indent=1)
