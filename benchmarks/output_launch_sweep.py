@@ -86,12 +86,13 @@ torch.cuda.empty_cache()
 ran = [row for row in report["kernel"] if "ms" in row and row["same_bits"]]
 best = Launch(**min(ran, key=lambda row: row["ms"])["launch"])
 report["best"] = dataclasses.asdict(best)
-print(f"fastest with the default's bits: {best}", flush=True)
+report["best_setting"] = ",".join(f"{name}={int(value)}" for name, value in report["best"].items())
+print(f"fastest with the default's bits: {best} ({out_kernel.SETTING}={report['best_setting']})", flush=True)
 
 calls = contenders()
 tensors, kw = make_inputs(case)
 with torch.inference_mode():
-    for name, launch in [("default", Launch()), ("best", best)] * 2 + [("fla", None)]:
+    for name, launch in [("default", Launch()), ("best", best)] * 2 + [("fla", None)]:  # (LAUNCH: read at the call)
         if launch is not None:
             out_kernel.LAUNCH = launch
         call = calls["fla" if launch is None else "kda-cuda"]
@@ -100,6 +101,5 @@ with torch.inference_mode():
         ms = timed(lambda call=call: call(tensors, kw))
         report["call"].append({"name": name, "ms": ms})
         print(f"  whole call, {name}: {ms:.3f} ms", flush=True)
-out_kernel.LAUNCH = Launch()
 with open(out_path, "w") as f:
     json.dump(report, f, indent=1)

@@ -154,6 +154,19 @@ def test_outputs_from_entering_states_in_one_kernel(launch):
         Launch(tiles=0)
 
 
+def test_output_launch_setting_reads_every_field_and_refuses_the_rest():
+    from kda.triton.segments import SETTING, Launch, launch_from
+
+    assert launch_from("") == Launch()
+    assert launch_from("tiles=8, stages=2,heads_first=1,v_parts=2,warps=4") == Launch(8, 2, True, 2, 4)
+    assert launch_from("heads_first=0") == Launch(heads_first=False)
+    for bad in ("tiles=x", "tile=2", "tiles", "tiles=-1"):
+        with pytest.raises(ValueError, match=SETTING):
+            launch_from(bad)
+    with pytest.raises(ValueError, match="warps must be at least 1"):
+        launch_from("warps=0")
+
+
 def test_training_calls_and_short_sequences_are_not_split(monkeypatch):
     monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
     case = make_case(T=32, H=1, K=16, V=8, seed=82)

@@ -11,6 +11,7 @@ for the rare sum that cancels to a small fraction of its terms."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -42,10 +43,27 @@ class Launch:
             raise ValueError(f"Launch.stages must be 0 or more, got {self.stages}")
 
 
-# (the default until measured otherwise: on the 2M H8 split the kernel moved 12.9 GB in 6.08 ms on
+SETTING = "KDA_SPLIT_OUTPUT_LAUNCH"
+
+
+def launch_from(text: str) -> Launch:
+    """A Launch from ``"tiles=8,stages=2,heads_first=1"`` (SETTING's form; fields not named keep
+    their defaults; "" is the default launch)."""
+    fields = {f.name for f in dataclasses.fields(Launch)}
+    given = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields or not value.strip().isdigit():
+            raise ValueError(f"{SETTING} must be comma-separated name=count of {sorted(fields)}, got {text!r}")
+        given[name] = bool(int(value)) if name == "heads_first" else int(value)
+    return Launch(**given)
+
+
+# The default until measured otherwise: on the 2M H8 split the kernel moved 12.9 GB in 6.08 ms on
 # the H200, 2.1 TB/s of 4.28, each program reading its segment's 64 KB state from L2 for 128
-# tokens; 2026-12-05, run 150)
-LAUNCH = Launch()
+# tokens (2026-12-05, run 150). SETTING (read at import) gives another, for tuning on another GPU.
+LAUNCH = launch_from(os.environ.get(SETTING, ""))
 
 
 @triton.jit
