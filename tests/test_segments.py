@@ -96,19 +96,20 @@ def test_chain_boundaries_step_all_sequences_together(block, counts):
         assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
 
 
-# (the launches' forms: tiles unrolled or in Triton's pipelined loop, both program orders, the V
-# side in two slices, fewer warps; V = 8 pads to 16, so two slices go as K = V = 32 below)
+# (the launches' forms beside the default: one unrolled tile in a head's order (the launch until
+# run 151), tiles unrolled or in Triton's pipelined loop, both program orders, the V side in two
+# slices, fewer warps; V = 8 pads to 16, so two slices go as K = V = 32 below)
 LAUNCHES = [
-    dict(),
-    dict(tiles=2),
-    dict(tiles=3, heads_first=True),
-    dict(tiles=3, stages=2),
-    dict(heads_first=True, v_parts=2, warps=4),
+    dict(tiles=1, stages=0, heads_first=False),
+    dict(tiles=2, stages=0),
+    dict(tiles=3, stages=0, heads_first=True),
+    dict(tiles=3, stages=2, heads_first=False),
+    dict(tiles=1, heads_first=True, v_parts=2, warps=4),
     dict(tiles=2, stages=3, v_parts=2),
 ]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_outputs_from_entering_states_in_one_kernel(launch):
     """kda.triton.segments.add_entering_states (the split's last step on a GPU for 16-bit outputs;
     the interpreter on CPU) against segments.entering_outputs' float64 products: segments of 5, 130
@@ -158,8 +159,8 @@ def test_output_launch_setting_reads_every_field_and_refuses_the_rest():
     from kda.triton.segments import SETTING, Launch, launch_from
 
     assert launch_from("") == Launch()
-    assert launch_from("tiles=8, stages=2,heads_first=1,v_parts=2,warps=4") == Launch(8, 2, True, 2, 4)
-    assert launch_from("heads_first=0") == Launch(heads_first=False)
+    assert launch_from("tiles=3, stages=0,heads_first=0,v_parts=2,warps=4") == Launch(3, 0, False, 2, 4)
+    assert launch_from("heads_first=0") == Launch(heads_first=False) != Launch()
     for bad in ("tiles=x", "tile=2", "tiles", "tiles=-1"):
         with pytest.raises(ValueError, match=SETTING):
             launch_from(bad)

@@ -27,11 +27,16 @@ MAX_SIDE = 128  # K and V: at 256 a program's tiles ask for 192-320 KB of shared
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How add_entering_states_kernel's programs cover the outputs; every choice gives the same
-    bits (each tile's arithmetic is the same)."""
+    bits (each tile's arithmetic is the same).
 
-    tiles: int = 1  # ROWS-token tiles a program, the segment's state loaded once for them
-    stages: int = 0  # 0: the tiles' loop unrolled; n: Triton's software pipeline of n stages over it
-    heads_first: bool = False  # a token block's heads one after another, else a head's blocks
+    The defaults are the fastest of benchmarks/output_launch_sweep.py's 17 launches on the 2M H8
+    call's shapes (2026-12-05, run 151, an H100; benchmarks/NOTES.md): 4.84 ms against 6.99 for one
+    unrolled tile a program in a head's order (the launch until then), 2.66 TB/s of the copy's
+    3.00; the whole call 30.9 and 31.3 ms against 33.2 and 33.5."""
+
+    tiles: int = 8  # ROWS-token tiles a program, the segment's state loaded once for them
+    stages: int = 2  # 0: the tiles' loop unrolled; n: Triton's software pipeline of n stages over it
+    heads_first: bool = True  # a token block's heads one after another, else a head's blocks
     v_parts: int = 1  # programs a (block, head) pair, each a V slice (its state columns only)
     warps: int = 8
 
@@ -60,9 +65,7 @@ def launch_from(text: str) -> Launch:
     return Launch(**given)
 
 
-# The default until measured otherwise: on the 2M H8 split the kernel moved 12.9 GB in 6.08 ms on
-# the H200, 2.1 TB/s of 4.28, each program reading its segment's 64 KB state from L2 for 128
-# tokens (2026-12-05, run 150). SETTING (read at import) gives another, for tuning on another GPU.
+# (SETTING, read at import, names another launch, for tuning on another GPU)
 LAUNCH = launch_from(os.environ.get(SETTING, ""))
 
 
