@@ -83,7 +83,7 @@ def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = Fal
     override = switches.WARPS_OVERRIDE
     if override is not None:
         return WGMMA_OVERRIDES.get(override, 0)
-    ctas = chain_grid(4, p.N * p.H)
+    ctas = wgmma_grid(p.N * p.H)
     if not blocked and ctas < WGMMA_MIN_FILL * sms:
         return 0
     return 1 if ctas <= sms else 2
@@ -153,6 +153,12 @@ def chain_grid(warps: int, pairs: int) -> int:
     """CTAs of a chain kernel (the recurrence, the reverse chain) of ``warps`` 16-row V groups a
     CTA: one a V slice of every (sequence, head) pair."""
     return loader.HEAD_DIM // (16 * warps) * pairs
+
+
+def wgmma_grid(pairs: int) -> int:
+    """CTAs of one wgmma K2 run: a warpgroup (four 16-row V groups, 64 V rows) a CTA, so two a
+    (sequence, head) pair."""
+    return chain_grid(4, pairs)
 
 
 def block_bounds(T: int, blocks: int) -> list[tuple[int, int]]:
@@ -432,7 +438,7 @@ def runs_kind(problems: list[Problem], sms: int) -> int:
         return 0
     if switches.WARPS_OVERRIDE in WGMMA_OVERRIDES:
         return kind
-    return 1 if 2 * chain_grid(4, problems[0].N * problems[0].H) <= sms else 2
+    return 1 if 2 * wgmma_grid(problems[0].N * problems[0].H) <= sms else 2
 
 
 def _launch_runs(problems, results, workspace, tables, kernels, device_index, stream, extra, ctas: int) -> None:
@@ -446,7 +452,7 @@ def _launch_runs(problems, results, workspace, tables, kernels, device_index, st
         kernels.bind_context(device_index)
         kernels.set_params(blocks[0])
         kernels.set_second_params(blocks[1])
-        kernels.launch(name, (2 * chain_grid(4, first.N * first.H), 1), abi.WGMMA_THREADS, shared_bytes, stream, "runs")
+        kernels.launch(name, (2 * wgmma_grid(first.N * first.H), 1), abi.WGMMA_THREADS, shared_bytes, stream, "runs")
     note("cuda:recurrence:runs")
     note(f"cuda:recurrence:wgmma{ctas}")
     log_once(f"chunk_kda: two runs' K2 in one launch on wgmma, {ctas} CTA(s) an SM ({name})")
@@ -615,7 +621,7 @@ def _launch(
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
     if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
         prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
-        grid, threads = (chain_grid(4, N * H), 1), abi.WGMMA_THREADS
+        grid, threads = (wgmma_grid(N * H), 1), abi.WGMMA_THREADS
     else:
         warps, ksplit = recurrence_width(N * H, sms)
         prepare_name, (name, shared_bytes) = prepare_kernel(p), loader.RECURRENCE_KERNELS[warps, ksplit]
