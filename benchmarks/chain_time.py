@@ -1,6 +1,7 @@
 """The segment split's boundary chain alone on the GPU (kda.segments.chain_boundaries), one
-float64 step a segment (chain_steps) against blocks of segments (the default, about the square
-root of the count, and other block lengths), on transitions of the shape of ``kda bench
+float64 step a segment (chain_steps) against the default (one Triton kernel since 2026-12-05,
+kda.triton.segments.chain_states) and blocks of segments (about the square root of the count,
+the default before it, and other block lengths), on transitions of the shape of ``kda bench
 --long``'s H8 cases: ``python benchmarks/chain_time.py [SEGMENTS ...]``. One JSON line a count:
 ms a call (do_bench median) and each form's largest relative RMS against the steps."""
 

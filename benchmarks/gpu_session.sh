@@ -32,7 +32,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep / chain / chainab; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -166,8 +166,12 @@ fi
 if [[ $step == all || $step == *variants* ]]; then
   timeout 200 python3 benchmarks/variants.py > "$OUT/variants.log" 2>&1; cat "$OUT/variants.log"
 fi
-if [[ $step == *chain* ]]; then  # the split's boundary chain alone: steps against blocks (benchmarks/chain_time.py)
+if [[ " $step " == *" chain "* ]]; then  # the split's boundary chain alone: its forms (benchmarks/chain_time.py)
   timeout ${CHAIN_TIMEOUT:-120} python3 benchmarks/chain_time.py ${CHAIN_SEGMENTS:-} > "$OUT/chain-time.log" 2>&1; cat "$OUT/chain-time.log" | tail -8
+fi
+if [[ " $step " == *" chainab "* ]]; then  # the chain's kernel against the torch chain, alone and in the call (benchmarks/chain_ab.py)
+  timeout ${CHAINAB_TIMEOUT:-300} python3 benchmarks/chain_ab.py "$OUT/chain-ab.json" ${CHAINAB_CASES:-3} > "$OUT/chain-ab.log" 2>&1
+  echo "chain_ab: exit $?"; tail -20 "$OUT/chain-ab.log"
 fi
 if [[ " $step " == *" long "* ]]; then  # long sequences, uncut and segment-split, against fla's chunk_kda (kda bench --long)
   timeout ${LONG_TIMEOUT:-400} python3 -m kda bench --long --out "$OUT" ${LONG_ARGS:-} > "$OUT/bench-long.log" 2>&1; tail -20 "$OUT/bench-long.log"

@@ -27,6 +27,7 @@ from kda.triton.chunk_grad import (
 from kda.triton.decode import decode_kernel
 from kda.triton.prepare import prepare_chunks_kernel
 from kda.triton.recurrence import recurrence_v_split_kernel
+from kda.triton.segments import CHAIN_BK, CHAIN_BV, CHAIN_WARPS, chain_states_kernel
 from kda.triton.state_grad import state_grad_chain_kernel
 from kda.triton.tables import build_tables_kernel
 
@@ -45,12 +46,12 @@ POINTERS = {
 PTXAS_STATS = next((a.partition("=")[2] or "*" for a in sys.argv if a.split("=")[0] == "--ptxas"), None)
 
 
-def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores: bool = True) -> None:
+def build(kernel, scalars: dict, consts: dict, num_warps: int = 4, tensor_cores: bool = True, stages=None) -> None:
     # The pipeline depth of the kernel's first autotune config (what a launch compiles), else
     # 2: at 2 stages the input-gradient kernel takes 255 registers against 252 at its launched
     # 1 (ptxas, 2026-12-02), so figures at another depth describe another kernel.
     configs = getattr(kernel, "configs", None)
-    num_stages = configs[0].num_stages if configs else 2
+    num_stages = stages or (configs[0].num_stages if configs else 2)  # (stages: the launch's own)
     while not isinstance(kernel, JITFunction):
         kernel = kernel.fn
     sig = {n: POINTERS.get(n, "*bf16") for n in kernel.arg_names}
@@ -155,3 +156,13 @@ for indices, (BV, num_warps), stream in ((0, (16, 1), False), (1, (16, 1), False
              HAS_ACCEPTED=indices == 2, STREAM=stream, IN_PLACE=indices != 0),
         num_warps, tensor_cores=False,
     )  # fmt: skip
+# the segment split's boundary chain (float64 products: mma.m8n8k4.f64), float32 transitions
+STRIDES = ("p_s", "p_h", "p_i", "p_j", "r_s", "r_h", "r_k", "r_v", "s0_n", "s0_h", "s0_k", "s0_v")
+build(
+    chain_states_kernel,
+    {"P": "*fp32", "R": "*fp32", **{n: "*fp64" for n in ("S0", "starts", "finals")}, "first": "*i64",
+     "counts": "*i64", **{n: "i64" for n in STRIDES}},
+    dict(HV=8, K=128, V=128, KP=128, BK=CHAIN_BK, BV=CHAIN_BV),
+    CHAIN_WARPS,
+    stages=1,
+)  # fmt: skip

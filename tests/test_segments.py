@@ -14,17 +14,23 @@ BACKENDS = ("torch", AUTO)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", [dict(B=2, T=100), dict(seq_lens=[70, 0, 5, 40, 33])], ids=["batched", "varlen"])
 @pytest.mark.parametrize("layout", [False, True])
-@pytest.mark.parametrize("chain", ["steps", "blocks"])
+@pytest.mark.parametrize("chain", ["steps", "blocks", "kernel"])
 def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain):
     """32-token segments (two chunks): sequences over several segments, one shorter than a
     segment, an empty one, a partial last chunk; mild decays so that each segment's entering
     state matters; an initial state and the final state. The boundary chain one segment a step,
-    or in blocks (of 2 for the 3 and 4 segments here)."""
+    in blocks (of 2 for the 3 and 4 segments here), or in one Triton kernel (the default on a
+    GPU; the interpreter on the CPU)."""
     from kda import segments
+    from kda.triton.segments import chain_states
 
-    if chain == "blocks":  # blocks of 2 (the default on a GPU past CHAIN_STEPS_UP_TO segments a sequence)
-        blocked = segments.chain_boundaries
-        monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: blocked(P, R, S0, counts, block=2))
+    torch_chain = segments.chain_boundaries
+    if chain == "blocks":  # blocks of 2 (the torch form on a GPU past CHAIN_STEPS_UP_TO segments a sequence)
+        monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: torch_chain(P, R, S0, counts, 2))
+    elif chain == "steps":
+        monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: torch_chain(P, R, S0, counts, 1))
+    elif DEVICE == "cpu":  # (on a GPU the default takes the kernel)
+        monkeypatch.setattr(segments, "chain_boundaries", chain_states)
     stepped, steps = [], segments.chain_steps  # the counts each chain of steps walked
     monkeypatch.setattr(segments, "chain_steps", lambda P, R, S0, n: stepped.append(n) or steps(P, R, S0, n))
     case = make_case(**shape, H=1, HV=2, K=16, V=8, gate="precomputed", state_v_first=layout, device=DEVICE, seed=81)
@@ -36,8 +42,11 @@ def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain)
         got = kda.chunk_kda(*case.tensors(), backend=backend, **kw)
     assert "segments:32" in events, events
     assert rel(got[0], want[0]) <= 1e-5 and rel(got[1], want[1]) <= 1e-5, (rel(got[0], want[0]), rel(got[1], want[1]))
+    assert ("triton:chain_states" in events) == (chain == "kernel"), events
     segs = [4, 4] if "T" in shape else [3, 0, 1, 2, 2]  # 100 tokens: 32, 32, 32, 4
-    if chain == "steps":
+    if chain == "kernel":
+        assert stepped == [], stepped
+    elif chain == "steps":
         assert stepped == [segs], stepped
     else:  # the sequences of more than 2 segments by blocks (their blocks' chain), the rest by steps
         longs, shorts = [-(-n // 2) for n in segs if n > 2], [n for n in segs if n <= 2]
@@ -94,6 +103,63 @@ def test_chain_boundaries_step_all_sequences_together(block, counts):
             S = P[j] @ S + R[j]
             j += 1
         assert torch.allclose(finals[n], S, rtol=1e-12, atol=1e-12), n
+
+
+@pytest.mark.parametrize(
+    "counts, HV, K, V",
+    [([3, 0, 1, 12, 5, 2], 2, 16, 8), ([4, 2], 1, 20, 40), ([2, 3], 2, 128, 128)]
+    + ([([64], 8, 128, 128), ([17, 1, 40, 0], 4, 100, 72)] if DEVICE == "cuda" else []),
+)
+def test_boundary_chain_in_one_kernel(counts, HV, K, V):
+    """kda.triton.segments.chain_states (the split's boundary chain on a GPU; the interpreter on
+    CPU) against segments.chain_steps' float64 products: an empty sequence among them, K and V not
+    powers of two (padded in the kernel) or V over one program's 16 columns, float32 P and R with
+    R in [V, K] strides (as the transitions leave a V-first layout's), float64 S0. Both outputs
+    NaN-filled inside larger NaN buffers: every element written, nothing beside them. On a GPU also
+    the 2M H8 call's chain (64 segments, 8 heads, K = V = 128)."""
+    import torch
+
+    from kda import segments
+    from kda.triton.segments import chain_states
+
+    gen = torch.Generator().manual_seed(89 + K)
+    segs = sum(counts)
+    P = torch.randn(segs, HV, K, K, generator=gen) * (0.9 / K**0.5)
+    R = torch.randn(segs, HV, V, K, generator=gen).transpose(-1, -2)
+    S0 = torch.randn(len(counts), HV, K, V, generator=gen, dtype=torch.float64)
+    P, R, S0 = P.to(DEVICE), R.to(DEVICE), S0.to(DEVICE)
+    starts_buf = torch.full((segs + 2, HV, K, V), float("nan"), dtype=torch.float64, device=DEVICE)
+    finals_buf = torch.full((len(counts) + 2, HV, K, V), float("nan"), dtype=torch.float64, device=DEVICE)
+    with kda.record_dispatch() as events:
+        starts, finals = chain_states(P, R, S0, counts, out=(starts_buf[1:-1], finals_buf[1:-1]))
+    assert events == ["triton:chain_states"], events
+    want_starts, want_finals = segments.chain_steps(P, R, S0, counts)
+    assert not starts.isnan().any() and not finals.isnan().any()
+    assert starts_buf[[0, -1]].isnan().all() and finals_buf[[0, -1]].isnan().all()
+    assert rel(starts, want_starts) <= 1e-13 and rel(finals, want_finals) <= 1e-13, (
+        rel(starts, want_starts),
+        rel(finals, want_finals),
+    )
+
+
+def test_boundary_chain_kernel_refuses_what_it_cannot_take():
+    """chain_states names the argument that does not fit: K over MAX_SIDE, shapes that disagree,
+    an ``out`` of the wrong dtype or layout."""
+    import torch
+
+    from kda.triton.segments import MAX_SIDE, chain_states
+
+    P, R, S0 = torch.zeros(3, 1, 16, 16), torch.zeros(3, 1, 16, 8), torch.zeros(2, 1, 16, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="K must be at most"):
+        K = MAX_SIDE + 16
+        chain_states(torch.zeros(1, 1, K, K), torch.zeros(1, 1, K, 8), torch.zeros(1, 1, K, 8), [1])
+    with pytest.raises(ValueError, match="disagree"):
+        chain_states(P, R, S0, [1, 1])
+    good = (torch.empty(3, 1, 16, 8, dtype=torch.float64), torch.empty(2, 1, 16, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out's starts must be contiguous float64"):
+        chain_states(P, R, S0, [2, 1], out=(good[0].float(), good[1]))
+    with pytest.raises(ValueError, match="out's finals must be contiguous float64"):
+        chain_states(P, R, S0, [2, 1], out=(good[0], good[1].transpose(-1, -2).contiguous().transpose(-1, -2)))
 
 
 # (the launches' forms beside the default: one unrolled tile in a head's order (the launch until

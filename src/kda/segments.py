@@ -7,7 +7,7 @@ sequence chunk by chunk. Cut every sequence longer than L tokens into segments o
    (``transitions.affine_transitions``), all segments at once as one packed batch, and the
    outputs of those runs: the output from a zero state and the output's response to the state;
 2. the boundary states ``S_{j+1} = P_j S_j + R_j`` of each sequence (a short chain of float64
-   products, in blocks on a GPU: :func:`chain_boundaries`);
+   products, one kernel on a GPU: :func:`chain_boundaries`);
 3. every segment's output from its true entering state, ``o_zero + o_P S`` token by token
    (:func:`entering_outputs`).
 
@@ -204,15 +204,27 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
     transitions' own rounding whatever torch's float32 matmul precision is set to (TF32 would put
     1e-3 into every boundary state).
 
-    In blocks of ``block`` segments (default: on a GPU, about the square root of the longest
-    count past CHAIN_STEPS_UP_TO segments; 1, and on the CPU, where the steps are the arithmetic:
+    In blocks of ``block`` segments (default, where the kernel below does not take it: on a GPU,
+    about the square root of the longest count past CHAIN_STEPS_UP_TO segments; 1, and on the CPU,
+    where the steps are the arithmetic:
     one step a segment, :func:`chain_steps`): the maps composed within every block, all blocks
     together (``block - 1`` steps); the boundary states of the blocks (:func:`chain_steps` over
     the blocks' composed maps); then every segment's entering state from its block's, one
     batched product. About ``2 sqrt(n)`` steps for n segments in place of n: a step is a few
     torch calls, about 40 us of host time each on the H200's host, beside which the float64
     products are small (one a segment took 4.93 ms for 128 segments x 8 heads, the same in
-    float32; benchmarks/NOTES.md, run 60)."""
+    float32; benchmarks/NOTES.md, run 60).
+
+    On a GPU (``block`` None, K up to 128) all of it is one Triton kernel, one step a segment
+    (kda.triton.segments.chain_states): the torch forms' small products queued about 90 kernels
+    a call, and the GPU waited between them."""
+    if block is None and S0.is_cuda:
+        from kda.dispatch import on_device_of
+        from kda.triton.segments import MAX_SIDE, chain_states
+
+        if R.shape[-2] <= MAX_SIDE:
+            with on_device_of(S0):
+                return chain_states(P, R, S0, counts)
     most = max(counts, default=0)
     b = block or (math.isqrt(most - 1) + 1 if most > CHAIN_STEPS_UP_TO and S0.is_cuda else 1)  # ceil(sqrt(most))
     if b <= 1:

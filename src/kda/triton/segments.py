@@ -166,3 +166,90 @@ def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None =
         HEADS_FIRST=launch.heads_first, INTERPRET=interpreting(), num_warps=launch.warps,
     )  # fmt: skip
     return out
+
+
+# The boundary chain in one kernel (chain_states): a program a (sequence, head, CHAIN_BV state
+# columns), P's columns CHAIN_BK at a time, CHAIN_WARPS warps. Compiled for sm_90 (Triton 3.9 on
+# the CPU machine, 2026-12-05, tests/compile_hopper.py --ptxas): float64 products on the tensor
+# cores (mma.m8n8k4.f64), 112 registers and no spills with the launch's aligned arguments.
+CHAIN_BK, CHAIN_BV, CHAIN_WARPS = 32, 16, 8
+
+
+@triton.jit
+def chain_states_kernel(
+    P, R, S0, starts, finals, first, counts,
+    p_s, p_h, p_i, p_j, r_s, r_h, r_k, r_v, s0_n, s0_h, s0_k, s0_v,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """``S_{j+1} = P_j S_j + R_j`` over one sequence's segments for one head and BV state columns,
+    in float64: S_j into ``starts`` (the state entering segment j), the last into ``finals``.
+    The product reads S_j back from ``starts`` CHAIN_BK rows at a time, after a CTA barrier (a
+    CTA's own global stores are visible to it past the barrier): Triton cannot slice a register
+    tensor, and P whole ([128, 128] float64 in registers) spilled. (No barrier after the reads:
+    the next step writes the next segment's block.) num_stages=1 at the launch: no software
+    pipeline may hoist a step's reads of ``starts`` above its barrier."""
+    tiles = tl.cdiv(V, BV)
+    pid = tl.program_id(0)
+    vt = pid % tiles
+    n = pid // tiles // HV
+    h = pid // tiles % HV
+    seg0 = tl.load(first + n)
+    count = tl.load(counts + n)
+    ks = tl.arange(0, KP)
+    vs = vt * BV + tl.arange(0, BV)
+    k_ok = ks < K
+    ok = k_ok[:, None] & (vs[None, :] < V)
+    S = tl.load(S0 + n * s0_n + h * s0_h + ks[:, None] * s0_k + vs[None, :] * s0_v, mask=ok, other=0.0)
+    S = S.to(tl.float64)
+    at = (h * K + ks[:, None]) * V + vs[None, :]  # (segment j's block of starts: j HV K V further)
+    for j in range(count):
+        seg = (seg0 + j).to(tl.int64)
+        block = starts + seg * (HV * K * V)
+        tl.store(block + at, S, mask=ok)
+        tl.debug_barrier()  # S_j stored by every thread before any reads it back
+        S = tl.load(R + seg * r_s + h * r_h + ks[:, None] * r_k + vs[None, :] * r_v, mask=ok, other=0.0)
+        S = S.to(tl.float64)
+        for c0 in tl.static_range(0, KP, BK):
+            cs = c0 + tl.arange(0, BK)
+            c_ok = cs < K
+            p = tl.load(P + seg * p_s + h * p_h + ks[:, None] * p_i + cs[None, :] * p_j,
+                        mask=k_ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
+            s_ok = c_ok[:, None] & (vs[None, :] < V)
+            s = tl.load(block + (h * K + cs[:, None]) * V + vs[None, :], mask=s_ok, other=0.0)
+            S = tl.dot(p.to(tl.float64), s, S)
+    tl.store(finals + ((n * HV + h) * K + ks[:, None]) * V + vs[None, :], S, mask=ok)
+
+
+def chain_states(P, R, S0, counts: list[int], out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kda.segments.chain_boundaries in one kernel: ``(starts [segs, HV, K, V], finals [N, HV, K,
+    V])``, float64 and contiguous, from P ``[segs, HV, K, K]`` and R ``[segs, HV, K, V]`` (any
+    strides, float32 or float64; the segments sequence by sequence, ``counts[n]`` of sequence n)
+    and S0 ``[N, HV, K, V]``; K up to MAX_SIDE (the registers of a program's P columns). One step a
+    segment, as chain_steps, where the torch chain queued about 90 small kernels a call (the 2M H8
+    call: about 1.1 ms of kernels and as much again of the GPU waiting between them, the H200,
+    2026-12-05, run 150, benchmarks/NOTES.md). ``out``: (starts, finals) to write into, contiguous
+    float64 of those shapes."""
+    from kda.dispatch import note
+
+    segs, HV, K, V = R.shape
+    if K > MAX_SIDE:
+        raise ValueError(f"K must be at most {MAX_SIDE} (a program's P columns in registers), got K={K}")
+    if P.shape != (segs, HV, K, K) or S0.shape != (len(counts), HV, K, V) or sum(counts) != segs:
+        raise ValueError(f"P {tuple(P.shape)}, R {tuple(R.shape)}, S0 {tuple(S0.shape)} and counts {counts} disagree")
+    if out is None:
+        out = (torch.empty(segs, HV, K, V, dtype=torch.float64, device=R.device),
+               torch.empty(S0.shape, dtype=torch.float64, device=R.device))  # fmt: skip
+    starts, finals = out
+    for name, x, shape in (("starts", starts, (segs, HV, K, V)), ("finals", finals, tuple(S0.shape))):
+        if x.shape != shape or x.dtype != torch.float64 or not x.is_contiguous():
+            raise ValueError(f"out's {name} must be contiguous float64 {list(shape)}, got {x.dtype} {list(x.shape)}")
+    if not counts:
+        return starts, finals
+    first = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)[:-1]
+    table = to_device(torch.stack([first, torch.tensor(counts, dtype=torch.int64)]), R.device)
+    note("triton:chain_states")
+    chain_states_kernel[(len(counts) * HV * triton.cdiv(V, CHAIN_BV),)](
+        P, R, S0, starts, finals, table[0], table[1], *P.stride(), *R.stride(), *S0.stride(), HV=HV, K=K, V=V,
+        KP=max(16, triton.next_power_of_2(K)), BK=CHAIN_BK, BV=CHAIN_BV, num_warps=CHAIN_WARPS, num_stages=1,
+    )  # fmt: skip
+    return starts, finals
