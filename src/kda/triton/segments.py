@@ -216,7 +216,7 @@ def chain_states_kernel(
                         mask=k_ok[:, None] & c_ok[None, :], other=0.0)  # fmt: skip
             s_ok = c_ok[:, None] & (vs[None, :] < V)
             s = tl.load(block + (h * K + cs[:, None]) * V + vs[None, :], mask=s_ok, other=0.0)
-            S = tl.dot(p.to(tl.float64), s, S)
+            S = tl.dot(p.to(tl.float64), s, S, out_dtype=tl.float64)  # (Triton 3.6 asks for out_dtype)
     tl.store(finals + ((n * HV + h) * K + ks[:, None]) * V + vs[None, :], S, mask=ok)
 
 
