@@ -21,7 +21,7 @@ import triton.testing
 
 from kda import segments
 from kda.bench import contenders, make_inputs, versions
-from kda.bench_long import LONG_CASES, timed
+from kda.bench_long import LONG_CASES, timed_in_turn
 from kda.reference import relative_rms
 from kda.triton.segments import chain_states
 
@@ -56,16 +56,13 @@ def chain_alone(row: dict, HV: int, K: int, counts: list[int]) -> None:
 
 def whole_call(row: dict, case: dict, calls: dict) -> None:
     """The call with each chain, in turn, twice, then fla."""
+
+    def use(chain):
+        return lambda: setattr(segments, "chain_boundaries", chain)
+
     tensors, kw = make_inputs(case)
-    with torch.inference_mode():
-        for name, chain in [("kernel", KERNEL), ("torch blocks", torch_blocks)] * 2 + [("fla", None)]:
-            segments.chain_boundaries = chain or KERNEL
-            call = calls["fla" if chain is None else "kda-cuda"]
-            call(tensors, kw)
-            torch.cuda.synchronize()
-            ms = timed(lambda call=call: call(tensors, kw))
-            row["call"].append({"name": name, "ms": ms})
-            print(f"{row['case']} whole call, {name}: {ms:.3f} ms", flush=True)
+    variants = [("kernel", use(KERNEL)), ("torch blocks", use(torch_blocks))] * 2 + [("fla", None)]
+    row["call"] = timed_in_turn(calls, tensors, kw, variants, f"{row['case']} ")
     segments.chain_boundaries = KERNEL
 
 

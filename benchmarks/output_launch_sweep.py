@@ -20,7 +20,7 @@ import triton.testing
 
 from kda import segments
 from kda.bench import contenders, make_inputs, measure_copy_tbps, versions
-from kda.bench_long import LONG_CASES, timed
+from kda.bench_long import LONG_CASES, timed_in_turn
 from kda.triton import segments as out_kernel
 from kda.triton.segments import Launch
 
@@ -88,17 +88,13 @@ print(f"fastest with the first launch's bits: {best} ({out_kernel.SETTING}={repo
 
 calls = contenders()
 tensors, kw = make_inputs(case)
-with torch.inference_mode():
-    for name, launch in [("before", Launch(**BEFORE)), ("default", Launch()), ("best", best)] * 2 + [
-        ("fla", None)
-    ]:  # (LAUNCH: read at the call)
-        if launch is not None:
-            out_kernel.LAUNCH = launch
-        call = calls["fla" if launch is None else "kda-cuda"]
-        call(tensors, kw)
-        torch.cuda.synchronize()
-        ms = timed(lambda call=call: call(tensors, kw))
-        report["call"].append({"name": name, "ms": ms})
-        print(f"  whole call, {name}: {ms:.3f} ms", flush=True)
+
+
+def use(launch):  # (LAUNCH: read at the call)
+    return lambda: setattr(out_kernel, "LAUNCH", launch)
+
+
+variants = [("before", use(Launch(**BEFORE))), ("default", use(Launch())), ("best", use(best))] * 2 + [("fla", None)]
+report["call"] = timed_in_turn(calls, tensors, kw, variants, "  ")
 with open(out_path, "w") as f:
     json.dump(report, f, indent=1)

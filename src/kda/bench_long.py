@@ -47,6 +47,23 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")
 
 
+def timed_in_turn(calls: dict, tensors, kw: dict, variants: list, label: str = "") -> list[dict]:
+    """The whole call under each ``(name, apply)`` of ``variants`` in turn (benchmarks' A/Bs in one
+    process): ``apply()`` sets the variant up, then kda-cuda runs once and is timed; ``apply`` None
+    times fla. Rows ``{"name", "ms"}``, each printed as it lands."""
+    rows = []
+    with torch.inference_mode():
+        for name, apply in variants:
+            if apply is not None:
+                apply()
+            call = calls["fla" if apply is None else "kda-cuda"]
+            call(tensors, kw)
+            torch.cuda.synchronize()
+            rows.append({"name": name, "ms": timed(lambda call=call: call(tensors, kw))})
+            print(f"{label}whole call, {name}: {rows[-1]['ms']:.3f} ms", flush=True)
+    return rows
+
+
 def with_segments(tokens: int, fn):
     """``fn`` run with KDA_SEGMENT_TOKENS set to ``tokens`` (read by every call), then restored."""
 
