@@ -189,7 +189,7 @@ def chain_states_kernel(
     the next step writes the next segment's block.) num_stages=1 at the launch: no software
     pipeline may hoist a step's reads of ``starts`` above its barrier."""
     tiles = tl.cdiv(V, BV)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # (n HV K V passes 2^31 with thousands of sequences)
     vt = pid % tiles
     n = pid // tiles // HV
     h = pid // tiles % HV
