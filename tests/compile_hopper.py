@@ -156,13 +156,15 @@ for indices, (BV, num_warps), stream in ((0, (16, 1), False), (1, (16, 1), False
              HAS_ACCEPTED=indices == 2, STREAM=stream, IN_PLACE=indices != 0),
         num_warps, tensor_cores=False,
     )  # fmt: skip
-# the segment split's boundary chain (float64 products: mma.m8n8k4.f64), float32 transitions
-STRIDES = ("p_s", "p_h", "p_i", "p_j", "r_s", "r_h", "r_k", "r_v", "s0_n", "s0_h", "s0_k", "s0_v")
+# the segment split's boundary chain (float64 products on the tensor cores), float32 transitions,
+# its strides as the 2M H8 bench call's launch specialises them (i32; P contiguous, R a V-first
+# state's [V, K] view, S0 zeros: the unit strides constant)
+STRIDES = ("p_s", "p_h", "p_i", "r_s", "r_h", "r_v", "s0_n", "s0_h", "s0_k")
 build(
     chain_states_kernel,
     {"P": "*fp32", "R": "*fp32", **{n: "*fp64" for n in ("S0", "starts", "finals")}, "first": "*i64",
-     "counts": "*i64", **{n: "i64" for n in STRIDES}},
-    dict(HV=8, K=128, V=128, KP=128, BK=CHAIN_BK, BV=CHAIN_BV),
+     "counts": "*i64", **{n: "i32" for n in STRIDES}},
+    dict(HV=8, K=128, V=128, KP=128, BK=CHAIN_BK, BV=CHAIN_BV, p_j=1, r_k=1, s0_v=1),
     CHAIN_WARPS,
     stages=1,
 )  # fmt: skip

@@ -25,7 +25,7 @@ def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain)
     from kda.triton.segments import chain_states
 
     torch_chain = segments.chain_boundaries
-    if chain == "blocks":  # blocks of 2 (the torch form on a GPU past CHAIN_STEPS_UP_TO segments a sequence)
+    if chain == "blocks":  # blocks of 2 (the torch form on a GPU for K over 128, past CHAIN_STEPS_UP_TO segments)
         monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: torch_chain(P, R, S0, counts, 2))
     elif chain == "steps":
         monkeypatch.setattr(segments, "chain_boundaries", lambda P, R, S0, counts: torch_chain(P, R, S0, counts, 1))
@@ -140,6 +140,26 @@ def test_boundary_chain_in_one_kernel(counts, HV, K, V):
         rel(starts, want_starts),
         rel(finals, want_finals),
     )
+
+
+@pytest.mark.parametrize("K", [128, 136])
+def test_chain_boundaries_take_the_kernel_on_a_gpu_up_to_k_128(K):
+    """``segments.chain_boundaries`` on the device's tensors: the kernel on a GPU for K up to
+    MAX_SIDE, the torch blocks past it (and on the CPU), both equal to the steps."""
+    import torch
+
+    from kda import segments
+
+    gen = torch.Generator().manual_seed(90 + K)
+    counts = [10, 3]
+    P = (torch.randn(13, 1, K, K, generator=gen) * (0.9 / K**0.5)).to(DEVICE)
+    R = torch.randn(13, 1, K, 16, generator=gen).to(DEVICE)
+    S0 = torch.randn(2, 1, K, 16, generator=gen, dtype=torch.float64).to(DEVICE)
+    with kda.record_dispatch() as events:
+        starts, finals = segments.chain_boundaries(P, R, S0, counts)
+    assert ("triton:chain_states" in events) == (DEVICE == "cuda" and K <= 128), events
+    want_starts, want_finals = segments.chain_steps(P, R, S0, counts)
+    assert rel(starts, want_starts) <= 1e-13 and rel(finals, want_finals) <= 1e-13
 
 
 def test_boundary_chain_kernel_refuses_what_it_cannot_take():

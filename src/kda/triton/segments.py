@@ -171,7 +171,9 @@ def add_entering_states(o_zero, o_P, starts, offsets, out: torch.Tensor | None =
 # The boundary chain in one kernel (chain_states): a program a (sequence, head, CHAIN_BV state
 # columns), P's columns CHAIN_BK at a time, CHAIN_WARPS warps. Compiled for sm_90 (Triton 3.9 on
 # the CPU machine, 2026-12-05, tests/compile_hopper.py --ptxas): float64 products on the tensor
-# cores (mma.m8n8k4.f64), 112 registers and no spills with the launch's aligned arguments.
+# cores (mma.m8n8k4.f64), 128 registers and no spills with the strides of the 2M H8 bench call
+# (multiples of 16, the unit ones constant); a review's builds with other strides took 190-255
+# and at worst 16 B of spills: one CTA an SM either way, where the grid is a few dozen CTAs.
 CHAIN_BK, CHAIN_BV, CHAIN_WARPS = 32, 16, 8
 
 
