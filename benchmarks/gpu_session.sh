@@ -32,7 +32,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep / chain / chainab; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep / chain / chainab / waves; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -168,6 +168,12 @@ if [[ $step == all || $step == *variants* ]]; then
 fi
 if [[ " $step " == *" chain "* ]]; then  # the split's boundary chain alone: its forms (benchmarks/chain_time.py)
   timeout ${CHAIN_TIMEOUT:-120} python3 benchmarks/chain_time.py ${CHAIN_SEGMENTS:-} > "$OUT/chain-time.log" 2>&1; cat "$OUT/chain-time.log" | tail -8
+fi
+if [[ " $step " == *" waves "* ]]; then  # the split's length against the paired K2's waves (benchmarks/segment_waves.py)
+  for c in ${WAVES_CASES:-3}; do
+    timeout ${WAVES_TIMEOUT:-200} python3 benchmarks/segment_waves.py "$OUT/segment-waves-case$c.json" $c > "$OUT/segment-waves-case$c.log" 2>&1
+    echo "segment_waves $c: exit $?"; tail -24 "$OUT/segment-waves-case$c.log"
+  done
 fi
 if [[ " $step " == *" chainab "* ]]; then  # the chain's kernel against the torch chain, alone and in the call (benchmarks/chain_ab.py)
   timeout ${CHAINAB_TIMEOUT:-300} python3 benchmarks/chain_ab.py "$OUT/chain-ab.json" ${CHAINAB_CASES:-3} > "$OUT/chain-ab.log" 2>&1
