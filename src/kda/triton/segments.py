@@ -231,7 +231,7 @@ def chain_states(P, R, S0, counts: list[int], out: tuple | None = None) -> tuple
     call: about 1.1 ms of kernels and as much again of the GPU waiting between them, the H200,
     2026-12-05, run 150, benchmarks/NOTES.md). ``out``: (starts, finals) to write into, contiguous
     float64 of those shapes."""
-    from kda.dispatch import note
+    from kda.dispatch import log_once, note
 
     segs, HV, K, V = R.shape
     if K > MAX_SIDE:
@@ -250,6 +250,7 @@ def chain_states(P, R, S0, counts: list[int], out: tuple | None = None) -> tuple
     first = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)[:-1]
     table = to_device(torch.stack([first, torch.tensor(counts, dtype=torch.int64)]), R.device)
     note("triton:chain_states")
+    log_once("chunk_kda: the split's boundary chain in one Triton kernel (chain_states)")
     chain_states_kernel[(len(counts) * HV * triton.cdiv(V, CHAIN_BV),)](
         P, R, S0, starts, finals, table[0], table[1], *P.stride(), *R.stride(), *S0.stride(), HV=HV, K=K, V=V,
         KP=max(16, triton.next_power_of_2(K)), BK=CHAIN_BK, BV=CHAIN_BV, num_warps=CHAIN_WARPS, num_stages=1,
