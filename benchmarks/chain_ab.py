@@ -13,7 +13,6 @@ time 1.1 ms above its kernels' sum."""
 
 import datetime
 import json
-import math
 import sys
 
 import torch
@@ -29,10 +28,8 @@ KERNEL = segments.chain_boundaries  # (the default on a GPU: the kernel)
 
 
 def torch_blocks(P, R, S0, counts):
-    """The chain as it was before the kernel: blocks of about sqrt(segments) past CHAIN_STEPS_UP_TO."""
-    most = max(counts, default=0)
-    block = math.isqrt(most - 1) + 1 if most > segments.CHAIN_STEPS_UP_TO else 1
-    return KERNEL(P, R, S0, counts, block=block)
+    """The chain as it was before the kernel: the torch chain's blocks (segments.torch_block)."""
+    return KERNEL(P, R, S0, counts, block=segments.torch_block(counts))
 
 
 def chain_alone(row: dict, HV: int, K: int, counts: list[int]) -> None:

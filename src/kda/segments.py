@@ -225,8 +225,7 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
         if R.shape[-2] <= MAX_SIDE:
             with on_device_of(S0):
                 return chain_states(P, R, S0, counts)
-    most = max(counts, default=0)
-    b = block or (math.isqrt(most - 1) + 1 if most > CHAIN_STEPS_UP_TO and S0.is_cuda else 1)  # ceil(sqrt(most))
+    b = block or (torch_block(counts) if S0.is_cuda else 1)
     if b <= 1:
         return chain_steps(P, R, S0, counts)
     # Sequences of b segments or fewer step one segment at a time: padded to a block of b, many
@@ -244,6 +243,13 @@ def chain_boundaries(P, R, S0, counts: list[int], block: int | None = None) -> t
             at, seqs = to_device(at, S0.device), to_device(torch.tensor(part, dtype=torch.int64), S0.device)
             starts[at], finals[seqs] = chain(P[at], R[at], S0[seqs], [counts[n] for n in part])
     return starts, finals
+
+
+def torch_block(counts: list[int]) -> int:
+    """The torch chain's block on a GPU: ceil(sqrt(the longest count)) past CHAIN_STEPS_UP_TO
+    segments, else 1 (one step a segment)."""
+    most = max(counts, default=0)
+    return math.isqrt(most - 1) + 1 if most > CHAIN_STEPS_UP_TO else 1
 
 
 def chain_blocks(P, R, S0, counts: list[int], b: int) -> tuple[torch.Tensor, torch.Tensor]:
