@@ -15,12 +15,14 @@ BACKENDS = ("torch", AUTO)
 @pytest.mark.parametrize("shape", [dict(B=2, T=100), dict(seq_lens=[70, 0, 5, 40, 33])], ids=["batched", "varlen"])
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("chain", ["steps", "blocks", "kernel"])
-def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain):
+@pytest.mark.parametrize("KV", [(16, 8), (16, 32)], ids=["K>V", "K<V"])
+def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain, KV):
     """32-token segments (two chunks): sequences over several segments, one shorter than a
     segment, an empty one, a partial last chunk; mild decays so that each segment's entering
     state matters; an initial state and the final state. The boundary chain one segment a step,
     in blocks (of 2 for the 3 and 4 segments here), or in one Triton kernel (the default on a
-    GPU; the interpreter on the CPU)."""
+    GPU; the interpreter on the CPU). K > V: P from two runs of the identity's columns; K < V:
+    from one, the first K columns of its final state."""
     from kda import segments
     from kda.triton.segments import chain_states
 
@@ -33,7 +35,8 @@ def test_split_equals_the_uncut_call(monkeypatch, backend, shape, layout, chain)
         monkeypatch.setattr(segments, "chain_boundaries", chain_states)
     stepped, steps = [], segments.chain_steps  # the counts each chain of steps walked
     monkeypatch.setattr(segments, "chain_steps", lambda P, R, S0, n: stepped.append(n) or steps(P, R, S0, n))
-    case = make_case(**shape, H=1, HV=2, K=16, V=8, gate="precomputed", state_v_first=layout, device=DEVICE, seed=81)
+    K, V = KV
+    case = make_case(**shape, H=1, HV=2, K=K, V=V, gate="precomputed", state_v_first=layout, device=DEVICE, seed=81)
     case.g = case.g * 0.02
     kw = case.kwargs()
     want = kda.chunk_kda(*case.tensors(), backend=backend, **kw)

@@ -44,20 +44,26 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     one at a time. Without ``outputs`` each run's output is dropped once used."""
     K, (HV, V) = q.shape[-1], v.shape[2:]
     dtype = STATE_DTYPES[q.dtype][0]  # the full-precision one: float32, or float64 for float64 inputs
-    as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
+    v_first = bool(kw.get("state_v_first", False))
+    as_kv, _ = kv_layout(v_first)
     # a caller's bf16 final_state_dtype is for its own final state, not for P and R (it would
     # round every transition to 8 bits)
     kw = dict(kw, final_state_dtype=None)
-    zeros = torch.zeros(N, HV, K, V, dtype=dtype, device=q.device)
-    eye = torch.eye(K, dtype=dtype, device=q.device)
     blocks = [(c0, min(V, K - c0)) for c0 in range(0, K, V)]  # P's columns, V at a time
 
+    def identity_columns(c0: int, cols: int) -> torch.Tensor:
+        """The identity's columns c0 .. c0 + cols as a state in the call's layout, zeros beside,
+        written in place through a [K, V] view: the transposed copies of a [K, V] build (four a
+        split call, with its zeros' clone) took 0.2 ms of the 2M H8 call on an H100 (2026-12-05,
+        run 160, benchmarks/long_profile.py)."""
+        start = torch.zeros(N, HV, *((V, K) if v_first else (K, V)), dtype=dtype, device=q.device)
+        torch.diagonal(as_kv(start)[..., c0 : c0 + cols, :cols], dim1=-2, dim2=-1).fill_(1)
+        return start
+
     def starts(v0):  # (v, initial state) of each run; v0 the P runs' v = 0
-        yield v, from_kv(zeros)
+        yield v, None  # R: the run from a zero state, which no initial state is
         for c0, cols in blocks:
-            start = zeros.clone()
-            start[..., :cols] = eye[:, c0 : c0 + cols]
-            yield v0, from_kv(start)
+            yield v0, identity_columns(c0, cols)
 
     if runs is not None:  # (None: zeros the runs need not make)
         results = iter(runs(q, k, g, beta, list(starts(None)), kw))
@@ -70,10 +76,14 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     R = as_kv(R)
     if not outputs:
         o_zero = None
-    P = torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
+    # K <= V: one P run, whose final state's first K columns are P (a view, no copy)
+    P = None if len(blocks) == 1 else torch.empty(N, HV, K, K, dtype=dtype, device=q.device)
     o_P = None
     for (c0, cols), (o, out) in zip(blocks, results):
-        P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
+        if P is None:
+            P = as_kv(out)[..., :cols].to(dtype)
+        else:
+            P[..., c0 : c0 + cols] = as_kv(out)[..., :cols]
         if outputs and len(blocks) == 1 and cols == V:  # K = V: the run's output is o_P (no copy)
             o_P = o
         elif outputs:
