@@ -415,10 +415,12 @@ def chunk_forward_runs(
     tables, workspace = _tables_and_workspace(first, kernels, device_index, stream, capturing, keep=False)
     extra = [FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0 for i in range(len(problems))]
     ctas = runs_kind(problems, sm_count(device_index))
-    if ctas:  # K1 (its tiles for the wgmma K2), then both runs in one launch
+    if ctas:  # K1 (its tiles for the wgmma K2) on the first run's block, then both runs in one launch
+        blocks = [forward_params(p, o, ht, workspace, tables, extra_bits=bits)
+                  for p, (o, ht), bits in zip(problems, results, extra)]  # fmt: skip
         _launch(first, *results[0], workspace, tables, kernels, device_index, stream, True, run_recurrence=False,
-                wgmma_ctas=ctas)  # fmt: skip
-        _launch_runs(problems, results, workspace, tables, kernels, device_index, stream, extra, ctas)
+                wgmma_ctas=ctas, params=blocks[0])  # fmt: skip
+        _launch_runs(first, blocks, kernels, device_index, stream, ctas)
         return results
     for i, (p, (o, ht)) in enumerate(zip(problems, results)):
         _launch(p, o, ht, workspace, tables, kernels, device_index, stream, i == 0, extra_bits=extra[i])
@@ -441,13 +443,11 @@ def runs_kind(problems: list[Problem], sms: int) -> int:
     return 1 if 2 * wgmma_grid(problems[0].N * problems[0].H) <= sms else 2
 
 
-def _launch_runs(problems, results, workspace, tables, kernels, device_index, stream, extra, ctas: int) -> None:
-    """K2 of two runs on K1's ``workspace`` in one launch (:func:`runs_kind`): each run's own
-    Params block (its v, states, output and ``extra`` flags), the grid twice one run's."""
+def _launch_runs(first, blocks, kernels, device_index, stream, ctas: int) -> None:
+    """K2 of two runs on K1's workspace in one launch (:func:`runs_kind`): each run's own Params
+    block in ``blocks`` (its v, states, output and flags; ``first``: the first run's problem), the
+    grid twice one run's."""
     name, shared_bytes = loader.RECURRENCE_WGMMA_RUNS_KERNELS[ctas]
-    blocks = [forward_params(p, o, ht, workspace, tables, extra_bits=bits)
-              for p, (o, ht), bits in zip(problems, results, extra)]  # fmt: skip
-    first = problems[0]
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(blocks[0])
@@ -608,12 +608,13 @@ def chunk_params(p, v, h0, ht, o, workspace, tables, checkpoints, bits: int, q=N
 
 def _launch(
     p, o, ht, workspace, tables, kernels, device_index, stream, run_prepare, checkpoints=None, extra_bits=0,
-    run_recurrence=True, wgmma_ctas=None,
+    run_recurrence=True, wgmma_ctas=None, params=None,
 ) -> None:  # fmt: skip
     """Fill the Params block and launch K1 (unless ``run_prepare`` is False) and K2 (unless
     ``run_recurrence`` is False; writing ``checkpoints`` where given; ``extra_bits``: further
     flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
-    K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``)."""
+    K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``; ``params``: the block
+    already composed for these arguments, as :func:`chunk_forward_runs` has it)."""
     N, H = p.N, p.H
     num_chunks = tables.num_chunks
     sms = sm_count(device_index)
@@ -626,7 +627,8 @@ def _launch(
         warps, ksplit = recurrence_width(N * H, sms)
         prepare_name, (name, shared_bytes) = prepare_kernel(p), loader.RECURRENCE_KERNELS[warps, ksplit]
         grid, threads = (chain_grid(warps, N * H), 1), 32 * (warps * ksplit + 1)  # consumers and a producer warp
-    params = forward_params(p, o, ht, workspace, tables, checkpoints, extra_bits)
+    if params is None:
+        params = forward_params(p, o, ht, workspace, tables, checkpoints, extra_bits)
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_params(params)
