@@ -13,12 +13,9 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 # that do not install the package (no `cuda` or `wheel` step) load them from there.
 # KERNELS names another carried build (a variant under test).
 [[ -d ${KERNELS:-.kernels} ]] && export KDA_CUDA_KERNELS_DIR=$PWD/${KERNELS:-.kernels}
-# Autotune results on disk, kept between calls (fla retunes for minutes per new head count):
-# the previous call's $OUT/triton-autotune.tgz, carried in .whl, is unpacked first.
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p $TRITON_CACHE_DIR
-[[ -f .whl/triton-autotune.tgz ]] && tar xzf .whl/triton-autotune.tgz -C $TRITON_CACHE_DIR && echo "autotune cache: $(find $TRITON_CACHE_DIR -name '*.autotune.json' | wc -l) entries"
-save_autotune() { (cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tgz" -T -); }
+# Autotune results on disk, kept between calls, one cache a card (fla retunes for minutes per new
+# head count): the previous call's $OUT/triton-autotune-cards.tgz, carried in .whl, is unpacked first.
+source benchmarks/autotune_cache.sh
 # At most 8 files come back from $OUT (the device tool): the logs travel as one archive, beside the
 # results and the autotune archive (2026-12-02: a call's ninth and later files, its test log among
 # them, were lost).
@@ -49,7 +46,7 @@ if [[ $step == all || $step == *cuda* ]]; then
   export PYTHONPATH=/tmp/kda-install:/tmp/site
   python3 -m kda info
   if [[ ${CUDA_TESTS:-1} == 1 ]]; then
-    KDA_TRITON_AUTOTUNE=0 timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
+    KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${CUDA_TEST_TIMEOUT:-240} python3 -m pytest -q -n ${WORKERS:-8} tests/test_cuda.py \
       -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1; tail -15 "$OUT/pytest-cuda.log"
   fi
 fi
@@ -156,7 +153,7 @@ if [[ $step == all || $step == *tests* ]]; then
   # -v: each result is logged as it lands (a run cut short still says what passed); --timeout: one
   # stuck test fails alone (pytest-timeout is in the GPU image). 430 s: the whole suite took 340 s with
   # 14 workers on 2026-12-04 (run 135) and ran past 345 in run 130.
-  KDA_TRITON_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-430} python3 -m pytest -v -rfE -n ${WORKERS:-8} ${TESTS:-tests} \
+  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${TEST_TIMEOUT:-430} python3 -m pytest -v -rfE -n ${WORKERS:-8} ${TESTS:-tests} \
     -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=15 > "$OUT/pytest-gpu.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed|gradient rel RMS|kda o" "$OUT/pytest-gpu.log" | grep -v PASSED | head -30
 fi

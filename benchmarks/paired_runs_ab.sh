@@ -10,11 +10,10 @@ mkdir -p "$OUT" /tmp/ab
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 KDA_CUDA_KERNELS_DIR=$PWD/${KERNELS:-.kernels}
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p $TRITON_CACHE_DIR && tar xzf .whl/triton-autotune.tgz -C $TRITON_CACHE_DIR
-trap '(cd /tmp/ab && tar czf "$OUT/paired-runs-ab.tgz" .)' EXIT
+source benchmarks/autotune_cache.sh  # (one cache a card)
+trap 'save_autotune; (cd /tmp/ab && tar czf "$OUT/paired-runs-ab.tgz" .)' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee /tmp/ab/gpu.txt
-timeout ${AB_TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_launch.py \
+TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${AB_TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_launch.py \
   tests/test_cuda.py tests/test_segments.py -k "shared_runs or wgmma_runs or split or segment" \
   > /tmp/ab/pytest-paired-runs.log 2>&1; echo "pytest: exit $?"; tail -4 /tmp/ab/pytest-paired-runs.log
 for round in 1 2; do

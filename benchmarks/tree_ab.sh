@@ -12,9 +12,8 @@ mkdir -p "$OUT" /tmp/ab
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
 export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 KDA_CUDA_KERNELS_DIR=$PWD/${KERNELS:-.kernels}
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p $TRITON_CACHE_DIR && tar xzf .whl/triton-autotune.tgz -C $TRITON_CACHE_DIR
-trap '(cd /tmp/ab && tar czf "$OUT/tree-ab.tgz" .)' EXIT
+source benchmarks/autotune_cache.sh  # (one cache a card)
+trap 'save_autotune; (cd /tmp/ab && tar czf "$OUT/tree-ab.tgz" .)' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee /tmp/ab/gpu.txt
 base=$PWD/${BASE:-.base/src}
 for round in $(seq ${ROUNDS:-2}); do
@@ -32,7 +31,7 @@ timeout 120 python3 -m kda bench --long --cases ${FLA_CASES:-3} --impls kda-cuda
   > /tmp/ab/bench-long-fla.log 2>&1; echo "beside fla: exit $?"; grep -E '^\| 1x' /tmp/ab/bench-long-fla.log
 if [[ ${SUITE:-0} == 1 ]]; then
   # (as gpu_session.sh's tests step: -v logs each result as it lands, so a run cut short says what passed)
-  KDA_TRITON_AUTOTUNE=0 timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -v -rfE -n ${WORKERS:-14} -p no:cacheprovider \
+  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -v -rfE -n ${WORKERS:-14} -p no:cacheprovider \
     --timeout 300 ${SUITE_TESTS:-tests} > /tmp/ab/pytest-gpu.log 2>&1; echo "suite: exit $?"
   grep -E "FAILED|ERROR|passed|failed" /tmp/ab/pytest-gpu.log | grep -v PASSED | tail -8
 fi

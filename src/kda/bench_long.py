@@ -9,7 +9,7 @@ which checks nothing; H200, 2026-12-01, run 18).
 
 Inputs as ``kda bench`` (kda.bench.make_inputs): bf16, K = V = 128, the lower-bound gate,
 l2norm and beta sigmoid in the kernel, fp32 states [N, H, V, K]. fla may autotune for minutes
-on a head count it has not met (the autotune cache travels in .whl/triton-autotune.tgz)."""
+on a head count it has not met (the device scripts carry its cache, one a card: benchmarks/autotune_cache.sh)."""
 
 from __future__ import annotations
 
