@@ -1,5 +1,6 @@
-"""The segment split's length against the paired K2's waves (device runs; issue 13's next lever,
-not yet run).
+"""The segment split's length against the paired K2's waves (device runs; issue 13). Run 159
+(2026-12-05, an H100, benchmarks/NOTES.md): flat, every length within the rounds' spread (2M H8
+29.8-30.4 ms from 41 to 90 segments, whole waves or not); the automatic lengths stay.
 
 ``python benchmarks/segment_waves.py OUT.json CASE [TOKENS ...]``: CASE a ``kda bench --long`` case
 number (default 3, 1x2097152 H8); TOKENS segment lengths (``KDA_SEGMENT_TOKENS``, multiples of 16).
