@@ -66,7 +66,7 @@ def _worker(rank, world, store, backend, layout, with_h0, mismatch, deprecated=F
 
 
 @exits_without_teardown
-def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
+def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False, KV=(16, 8), gentle=False):
     """Each rank's loss: its outputs against fixed weights, and (last rank) the final state's.
     Summed over ranks it is the unsharded call's loss, so every gradient must match: the local
     slices of q, k, v, g, beta, the first rank's initial state, and A_log, dt_bias summed
@@ -74,8 +74,10 @@ def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
-        case = make_case(B=2, T=world * T_LOCAL, H=1, HV=2, K=16, V=8, gate="softplus", state_v_first=layout,
+        case = make_case(B=2, T=world * T_LOCAL, H=1, HV=2, K=KV[0], V=KV[1], gate="softplus", state_v_first=layout,
                          with_state=with_h0, seed=73)  # fmt: skip
+        if gentle:  # decays of about 0.01 a token: each rank's entering state shows in its outputs
+            case.g = case.g * 0.1 - 8
         gen = torch.Generator().manual_seed(74)
         w_o = torch.randn(case.v.shape, generator=gen)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias") + (("initial_state",) if with_h0 else ())
@@ -119,15 +121,17 @@ def _grad_worker(rank, world, store, backend, layout, with_h0, only_h0=False):
 
 
 @exits_without_teardown
-def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, train):
+def _packed_worker(rank, world, store, backend, layout, with_h0, lens, slices, train, KV=(16, 8), gentle=False):
     """Packed sequences ``lens`` cut into rank slices of ``slices`` tokens: outputs and final
     states against the unsharded packed call, and with ``train`` every gradient too (each
     rank's loss: its outputs, and the final states of the sequences ending on the last rank)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
-        case = make_case(seq_lens=lens, H=1, HV=2, K=16, V=8, gate="lower_bound", state_v_first=layout,
+        case = make_case(seq_lens=lens, H=1, HV=2, K=KV[0], V=KV[1], gate="lower_bound", state_v_first=layout,
                          with_state=with_h0, seed=75)  # fmt: skip
+        if gentle:  # (as _grad_worker's)
+            case.g = case.g * 0.1 - 8
         gen = torch.Generator().manual_seed(76)
         w_o = torch.randn(case.v.shape, generator=gen)
         names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias") + (("initial_state",) if with_h0 else ())
@@ -310,6 +314,16 @@ def test_packed_sequences_across_ranks_on_triton(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mp.spawn(_packed_worker, args=(2, str(tmp_path / "store"), "triton", True, True, [50, 7, 0, 23], [35, 45], True),
              nprocs=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("KV", [(16, 16), (16, 32)], ids=["K=V", "K<V"])
+def test_gradients_across_ranks_where_one_run_gives_the_transition(tmp_path, KV):
+    """K <= V: a rank's P is the first K columns of one run's final state (a view that the
+    gradients flow back through), batched and packed, both layouts, with decays gentle enough
+    that P shows (the other tests' gates forget a rank's entering state within its slice)."""
+    mp.spawn(_grad_worker, args=(2, str(tmp_path / "store"), "torch", True, True, False, KV, True), nprocs=2)
+    packed = (2, str(tmp_path / "store2"), "torch", False, True, [50, 7, 0, 23], [35, 45], True, KV, True)
+    mp.spawn(_packed_worker, args=packed, nprocs=2)
 
 
 def test_only_the_initial_state_trains_across_ranks(tmp_path):
