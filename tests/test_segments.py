@@ -483,7 +483,8 @@ def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(
     kw = case.kwargs()
     kw.pop("initial_state"), kw.pop("output_final_state")
     shape = case.initial_state.shape
-    runs = [(v, torch.zeros(shape, device=DEVICE)), (None, torch.randn(shape, device=DEVICE))]  # None: v = 0
+    # as affine_transitions gives them: R's run with no initial state, P's with one (v None: v = 0)
+    runs = [(v, None), (None, torch.randn(shape, device=DEVICE))]
     expected = [
         kda.chunk_kda(q, k, v if v_run is not None else torch.zeros_like(v), g, beta, initial_state=h0,
                       output_final_state=True, backend="torch", **kw)
@@ -507,6 +508,7 @@ def test_transition_runs_give_each_calls_result_and_share_where_the_backend_can(
     ((problems, v_zero),) = shared
     assert v_zero == [False, True]
     assert all(p.v is v and p.q is q for p in problems)
+    assert problems[0].initial_state is None and problems[1].initial_state is runs[1][1]
 
 
 def test_split_reads_the_deprecated_layout_name(monkeypatch):
