@@ -31,6 +31,8 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     """``(P [N, HV, K, K], R [N, HV, K, V])`` in the full-precision state dtype (float32, or
     float64 for float64 inputs) of each of the N sequences of the call
     ``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` without initial_state / output_final_state).
+    Both may be strided views of the runs' final states (R, and P where K <= V: the first K
+    columns of one run's, which it keeps alive); nothing here writes into them.
 
     ``outputs``: also the runs' outputs, ``(P, R, o_zero [.., T, HV, V], o_P [.., T, HV, K])``: the
     call's output from zero states, and ``o_P`` with ``o_zero + o_P S`` the output from states S
@@ -38,7 +40,8 @@ def affine_transitions(chunk_kda, q, k, v, g, beta, kw: dict, N: int, outputs: b
     what the runs from the identity's columns with v = 0 output), both in the inputs' dtype.
 
     ``runs``: where given, ``runs(q, k, g, beta, [(v, initial_state), ...], kw)`` gives the
-    ``(o, final state)`` of every run (v None: zeros), as a list or an iterable that runs them as
+    ``(o, final state)`` of every run (v None: zeros; initial_state None, the first run's: a
+    zero state), as a list or an iterable that runs them as
     they are taken (kda.api.chunk_kda_runs: on the CUDA path K1, which neither v nor the state
     enters, serves them all at once, K = V: two runs, both outputs kept); else chunk_kda runs them
     one at a time. Without ``outputs`` each run's output is dropped once used."""

@@ -416,6 +416,7 @@ def chunk_forward_runs(
     extra = [FLAG_V_ZERO if v_zero is not None and v_zero[i] else 0 for i in range(len(problems))]
     ctas = runs_kind(problems, sm_count(device_index))
     if ctas:  # K1 (its tiles for the wgmma K2) on the first run's block, then both runs in one launch
+        # (K1 reads none of what the blocks differ in: v, the states, o and the v_zero flag)
         blocks = [forward_params(p, o, ht, workspace, tables, extra_bits=bits)
                   for p, (o, ht), bits in zip(problems, results, extra)]  # fmt: skip
         _launch(first, *results[0], workspace, tables, kernels, device_index, stream, True, run_recurrence=False,
@@ -615,6 +616,8 @@ def _launch(
     flags, such as v_zero; ``wgmma_ctas``: the K2 kind the caller decided for the call, which
     K1 stores its tiles for; None: :func:`recurrence_kind` of ``p``; ``params``: the block
     already composed for these arguments, as :func:`chunk_forward_runs` has it)."""
+    if params is not None and (checkpoints is not None or extra_bits):
+        raise ValueError("_launch: a composed params block already holds the checkpoints and flags")
     N, H = p.N, p.H
     num_chunks = tables.num_chunks
     sms = sm_count(device_index)
