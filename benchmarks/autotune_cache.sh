@@ -11,6 +11,7 @@
 AUTOTUNE_ROOT=/tmp/triton-autotune
 AUTOTUNE_ARCHIVE=triton-autotune-cards.tgz
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' '_')
+card=${card:-unknown_card}  # (no name: never the root, which holds every card's cache)
 mkdir -p "$AUTOTUNE_ROOT/$card" "$AUTOTUNE_ROOT/tests"
 [[ -f .whl/$AUTOTUNE_ARCHIVE ]] && tar xzf ".whl/$AUTOTUNE_ARCHIVE" -C "$AUTOTUNE_ROOT"
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$AUTOTUNE_ROOT/$card TESTS_TRITON_CACHE_DIR=$AUTOTUNE_ROOT/tests
