@@ -42,12 +42,14 @@ def exits_without_teardown(worker):
 
 
 @exits_without_teardown
-def _worker(rank, world, store, backend, layout, with_h0, mismatch, deprecated=False):
+def _worker(rank, world, store, backend, layout, with_h0, mismatch, deprecated=False, gentle=False):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         case = make_case(B=2, T=world * T_LOCAL, H=1, HV=2, K=16, V=8, gate="softplus", state_v_first=layout,
                          with_state=with_h0, seed=71)  # fmt: skip
+        if gentle:  # (as _grad_worker's)
+            case.g = case.g * 0.1 - 8
         kw = case.kwargs()
         if deprecated:  # fla's old name for the V-first layout: the ranks must read it as state_v_first
             kw["transpose_state_layout"] = kw.pop("state_v_first")
@@ -253,21 +255,25 @@ def test_sharded_call_keeps_the_unsharded_calls_state_dtypes(tmp_path, which):
     mp.spawn(_dtype_worker, args=(2, str(tmp_path / "store"), which), nprocs=2)
 
 
-def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False, deprecated=False):
+def spawn(tmp_path, monkeypatch, world, backend, layout=False, with_h0=True, mismatch=False, deprecated=False,
+          gentle=False):  # fmt: skip
     if backend == "triton" and (why := interpreter_refusal()):
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
     # The children inherit it (Triton on CPU tensors); monkeypatch restores this process's.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    args = (world, str(tmp_path / "store"), backend, layout, with_h0, mismatch, deprecated)
+    args = (world, str(tmp_path / "store"), backend, layout, with_h0, mismatch, deprecated, gentle)
     mp.spawn(_worker, args=args, nprocs=world)
 
 
+# gentle: decays of about 0.01 a token, so that a rank's entering state (P of the ranks before it)
+# shows in its outputs; the others forget it within a slice (a review, 2026-12-05: a wrong P passed them)
 @pytest.mark.parametrize(
-    "world, backend, layout, with_h0",
-    [(2, "torch", False, True), (2, "triton", True, True), (4, "torch", True, False), (4, "triton", False, True)],
-)
-def test_sharded_call_equals_the_unsharded_one(tmp_path, monkeypatch, world, backend, layout, with_h0):
-    spawn(tmp_path, monkeypatch, world, backend, layout, with_h0)
+    "world, backend, layout, with_h0, gentle",
+    [(2, "torch", False, True, False), (2, "triton", True, True, True), (4, "torch", True, False, True),
+     (4, "triton", False, True, False)],
+)  # fmt: skip
+def test_sharded_call_equals_the_unsharded_one(tmp_path, monkeypatch, world, backend, layout, with_h0, gentle):
+    spawn(tmp_path, monkeypatch, world, backend, layout, with_h0, gentle=gentle)
 
 
 @pytest.mark.filterwarnings("ignore:`transpose_state_layout` is deprecated")
@@ -279,14 +285,18 @@ def test_sharded_call_reads_the_deprecated_layout_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "world, backend, layout, with_h0",
-    [(2, "torch", False, True), (4, "torch", True, True), (2, "triton", True, True), (3, "torch", False, False)],
-)
-def test_gradients_across_ranks_equal_the_unsharded_ones(tmp_path, monkeypatch, world, backend, layout, with_h0):
+    "world, backend, layout, with_h0, gentle",
+    [(2, "torch", False, True, False), (4, "torch", True, True, True), (2, "triton", True, True, True),
+     (3, "torch", False, False, False)],
+)  # fmt: skip
+def test_gradients_across_ranks_equal_the_unsharded_ones(
+    tmp_path, monkeypatch, world, backend, layout, with_h0, gentle
+):
     if backend == "triton" and (why := interpreter_refusal()):
         pytest.skip(f"Triton under the interpreter is unavailable here: {why}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    mp.spawn(_grad_worker, args=(world, str(tmp_path / "store"), backend, layout, with_h0), nprocs=world)
+    args = (world, str(tmp_path / "store"), backend, layout, with_h0, False, (16, 8), gentle)
+    mp.spawn(_grad_worker, args=args, nprocs=world)
 
 
 PACKED = [
