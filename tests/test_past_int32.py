@@ -15,6 +15,7 @@ split's two output runs): marked ``bigmem`` and serialised by a file lock, so a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import tempfile
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 import kda
-from helpers import Case, assert_close_fp64, cuda_ready, fp64_reference
+from helpers import GRAD_INPUTS, Case, assert_close_fp64, cuda_ready, fp64_reference, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.bigmem]
 
@@ -39,19 +40,19 @@ NEED_GB = 60  # the largest case's peak (Triton's uncut call) with room for the 
 
 
 @contextlib.contextmanager
-def alone_on_the_gpu():
+def alone_on_the_gpu(need_gb: int = NEED_GB):
     """One bigmem test at a time across pytest-xdist's workers, and skip where the GPU cannot
     hold one (the reason names the memory)."""
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
-    if total < NEED_GB:
-        pytest.skip(f"needs a GPU of {NEED_GB} GB or more (tensors past 2^31 elements), this one has {total:.0f}")
+    if total < need_gb:
+        pytest.skip(f"needs a GPU of {need_gb} GB or more (tensors past 2^31 elements), this one has {total:.0f}")
     with open(os.path.join(tempfile.gettempdir(), "kda-bigmem-tests.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0] / 2**30
-            if free < NEED_GB:
-                pytest.skip(f"needs {NEED_GB} GB of free GPU memory, {free:.0f} free (other processes hold the rest)")
+            if free < need_gb:
+                pytest.skip(f"needs {need_gb} GB of free GPU memory, {free:.0f} free (other processes hold the rest)")
             yield
         finally:
             torch.cuda.empty_cache()
@@ -214,3 +215,64 @@ def test_gpu_pool_slots_past_two_to_the_31_elements(backend, pool_dtype):
         for n, s in enumerate(slots[:2]):
             assert_close_fp64(pool[s].float(), ht_ref[n], STATE_BAR, f"slot {s} after the prefill")
         assert unchanged_except(pool, before, slots[:2]), "a slot not named changed"
+
+
+GRAD_BAR = 1e-2  # the same backend on the window alone: its own rounding apart (a wrap: order one)
+
+
+def window_gradients(case: Case, backend: str, rows: list[tuple[int, int, torch.Tensor]], states) -> dict:
+    """Gradients of ``sum(o[:, a:b] * do) + sum(final_state[n] * dht)`` (``rows``: (a, b, do);
+    ``states``: (n, dht)) with respect to every input of ``case``, by ``backend``."""
+    inputs = {name: getattr(case, name).detach().clone().requires_grad_() for name in GRAD_INPUTS}
+    kw = case.kwargs(**{name: inputs[name] for name in ("initial_state", "A_log", "dt_bias")})
+    o, ht = kda.chunk_kda(*(inputs[name] for name in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
+    loss = sum((o[:, a:b].float() * do).sum() for a, b, do in rows)
+    loss = loss + sum((ht[n] * dht).sum() for n, dht in states)
+    return dict(zip(GRAD_INPUTS, torch.autograd.grad(loss, list(inputs.values()))))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=cuda_ready), "triton"])
+def test_gpu_gradients_past_two_to_the_31_state_gradient_elements(backend):
+    """Training: a 2^18-token sequence at H = 8 and a 200-token one after it. The backward's
+    state gradient of every chunk ([chunks, H, V, K], eight times an input's elements at D = 128)
+    passes 2^31 elements, the second sequence's rows all past it (inputs of 2^28 elements: the
+    inputs themselves past 2^31 would take about 110 GB). The loss reads the long sequence's last
+    WINDOW outputs (after a reset) and final state, and the short sequence's outputs and final
+    state; each gradient against the same backend's on that stretch alone, the tokens before the
+    reset at zero (what reaches them is scaled by e^-120)."""
+    H, T0, T1 = 8, PAST // (8 * 8 * D), 200
+    with alone_on_the_gpu(need_gb=40):
+        case = big_case([T0, T1], H, seed=1306)
+        first = reset_before_end(case, T0)
+        gen = torch.Generator(device=DEV).manual_seed(1307)
+        do_w, do_t = (torch.randn(1, n, H, D, generator=gen, device=DEV) for n in (WINDOW, T1))
+        dht = torch.randn(2, H, D, D, generator=gen, device=DEV)
+        with kda.record_dispatch() as events:
+            big = window_gradients(case, backend, [(T0 - WINDOW, T0, do_w), (T0, T0 + T1, do_t)],
+                                   [(0, dht[0]), (1, dht[1])])  # fmt: skip
+        torch.cuda.synchronize()
+        assert f"{backend}:state_grad_chain" in events, events  # the backward's reverse chain ran there
+
+        def alone(start, end, initial_state):
+            c = window(case, start, end, initial_state)
+            return Case(**{f.name: getattr(c, f.name) if not isinstance(getattr(c, f.name), torch.Tensor)
+                           else getattr(c, f.name).to(DEV) for f in dataclasses.fields(c)})  # fmt: skip
+
+        win = window_gradients(alone(first, T0, torch.zeros_like(case.initial_state[:1])), backend,
+                               [(RESET, RESET + WINDOW, do_w)], [(0, dht[0])])  # fmt: skip
+        tail = window_gradients(alone(T0, T0 + T1, case.initial_state[1:2]), backend, [(0, T1, do_t)],
+                                [(0, dht[1])])  # fmt: skip
+        for name in ("q", "k", "v", "g", "beta"):
+            g = big[name]
+            assert torch.isfinite(g).all(), name
+            assert rel(g[:, first:T0], win[name]) <= GRAD_BAR, (name, "window", rel(g[:, first:T0], win[name]))
+            assert rel(g[:, T0:], tail[name]) <= GRAD_BAR, (name, "tail", rel(g[:, T0:], tail[name]))
+            scale = win[name].float().norm() / win[name].numel() ** 0.5
+            leak = g[:, :first].float().norm() / g[:, :first].numel() ** 0.5
+            assert leak <= 1e-6 * scale, (name, "before the reset", float(leak), float(scale))
+        moved = rel(big["initial_state"][1:], tail["initial_state"])
+        assert moved <= GRAD_BAR, ("initial_state", "tail", moved)
+        leak = big["initial_state"][0].abs().max() / tail["initial_state"].abs().max()
+        assert leak <= 1e-6, ("initial_state", "before the reset", float(leak))
+        for name in ("A_log", "dt_bias"):  # sums over every token: the window's and the tail's
+            assert rel(big[name], win[name] + tail[name]) <= GRAD_BAR, (name, rel(big[name], win[name] + tail[name]))
