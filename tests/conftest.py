@@ -35,7 +35,7 @@ if _workers > 1:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere, with the reason)")
     config.addinivalue_line(
-        "markers", "bigmem: tensors past 2^31 elements, about 60 GB of GPU memory (one at a time, by a file lock)"
+        "markers", "bigmem: tensors past 2^31 elements, 20 to 60 GB of GPU memory (one at a time, by a file lock)"
     )
 
 
