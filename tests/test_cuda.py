@@ -70,13 +70,20 @@ def abi_include(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def ptxas_report(source: Path, include: Path, tmp_path: Path) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+# Candidate builds, off by default, measured against the default on a GPU before either goes
+# (benchmarks/NOTES.md): compiled here with the same checks, so that the A/B's build is sound.
+CANDIDATES = (("prepare.cu", ("-DKDA_K1_W_TF32=1",)),)  # K1's w in one tf32 product (2026-12-05)
+
+
+def ptxas_report(
+    source: Path, include: Path, tmp_path: Path, flags: tuple[str, ...] = ()
+) -> dict[str, tuple[int, int, tuple[str, ...]]]:
     """kernel -> (registers, spill bytes, ptxas' wgmma notes) from ``ptxas -v``, with the build's
-    nvcc flags. The notes are codes such as C7517 (a warpgroup.wait ptxas injected) or C7510
-    (wgmmas it serialised), each a wait the source did not ask for."""
+    nvcc flags (and ``flags``). The notes are codes such as C7517 (a warpgroup.wait ptxas injected)
+    or C7510 (wgmmas it serialised), each a wait the source did not ask for."""
     result = subprocess.run(
         ["nvcc", "-cubin", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-I", str(include),
-         "-I", str(abi_include(tmp_path)), "-Xptxas", "-v", "-o", str(tmp_path / f"{source.stem}.cubin"),
+         "-I", str(abi_include(tmp_path)), "-Xptxas", "-v", *flags, "-o", str(tmp_path / f"{source.stem}.cubin"),
          str(source)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -108,6 +115,13 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     assert {name: codes for name, (*_, codes) in report.items() if codes} == {}
     for name, ceiling in REGISTER_CEILING.items():
         assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
+    for source, flags in CANDIDATES:
+        candidate = ptxas_report(SOURCES / source, include, tmp_path, flags)
+        assert candidate.keys() <= report.keys(), (flags, sorted(candidate))
+        assert {name: spills for name, (_, spills, _) in candidate.items() if spills} == {}, flags
+        assert {name: codes for name, (*_, codes) in candidate.items() if codes} == {}, flags
+        for name, (registers, *_) in candidate.items():
+            assert registers <= REGISTER_CEILING.get(name, 255), (flags, name, registers)
 
 
 def cutlass_include() -> Path:

@@ -297,7 +297,18 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
     float d[4] = {};
     for (int k0 = 0; k0 < kChunk; k0 += 8) {
       const float b[2] = {s.kd[k0 + t][n0 + g], s.kd[k0 + t + 4][n0 + g]};
+#if KDA_K1_W_TF32
+      // Candidate (off by default; 2026-12-05): one tf32 product, both operands rounded to
+      // nearest. w is stored in bf16 (2^-9), the operands' tf32 rounding is 2^-11: on the CUDA
+      // path's modelled roundings o and the state moved by under 0.1% against float64
+      // (benchmarks/w_rounding.py), and a third of w's MMAs go, with the operands' splits.
+      const float(&x)[4] = a[k0 / 8];
+      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], round_tf32(x[0]), round_tf32(x[1]),
+                                               round_tf32(x[2]), round_tf32(x[3]), round_tf32(b[0]),
+                                               round_tf32(b[1]), d[0], d[1], d[2], d[3]);
+#else
       mma_3xtf32_single(d, a[k0 / 8], b);
+#endif
     }
     if constexpr (kWgmmaTiles) {  // rows 0-15 of [w; q_decayed]
       const int c = n0 + 2 * t;
