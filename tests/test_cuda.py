@@ -72,7 +72,11 @@ def abi_include(tmp_path: Path) -> Path:
 
 # Candidate builds, off by default, measured against the default on a GPU before either goes
 # (benchmarks/NOTES.md): compiled here with the same checks, so that the A/B's build is sound.
-CANDIDATES = (("prepare.cu", ("-DKDA_K1_W_TF32=1",)),)  # K1's w in one tf32 product (2026-12-05)
+CANDIDATES = (
+    ("prepare.cu", ("-DKDA_K1_W_TF32=1",)),  # K1's w in one tf32 product (2026-12-05)
+    ("prepare.cu", ("-DKDA_K1_STORE_OFFSETS=1",)),  # K1's tile stores by address bits (8a84845, back for an H200)
+    ("prepare.cu", ("-DKDA_K1_W_TF32=1", "-DKDA_K1_STORE_OFFSETS=1")),
+)
 
 
 def ptxas_report(

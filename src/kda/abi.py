@@ -193,8 +193,8 @@ def _layout() -> tuple[dict, int]:
 WORKSPACE_FIELDS, WORKSPACE_BYTES = _layout()  # name -> (byte offset, dtype, shape); bytes per block
 assert WORKSPACE_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes"
 # A workspace (so each block, WORKSPACE_BYTES apart) starts on this many bytes, a cache line: K2's
-# bulk copies of a block need 16 (kda.cuda.forward.workspace_address checks). (K1's tile stores by
-# address bits, which needed 128, were measured and dropped: run 146, 2026-12-05.)
+# bulk copies of a block need 16 (kda.cuda.forward.workspace_address checks); K1's tile stores by
+# address bits (prepare.cu's candidate KDA_K1_STORE_OFFSETS, off by default) need 128.
 WORKSPACE_ALIGN = 128
 assert WORKSPACE_BYTES % WORKSPACE_ALIGN == 0, "every block starts aligned where the workspace does"
 assert WORKSPACE_FIELDS["inverse_beta_hi"][0] == 3 * CHUNK * HEAD_DIM * 2, "the three tiles lead the block"

@@ -136,6 +136,64 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
   return (c >> 6) * rows * 128 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
 }
 
+// KDA_K1_STORE_OFFSETS=1 (a candidate, 2026-12-05: 1% of K1 on an H100 in run 146, where K1 is
+// bound by memory; back from 8a84845 for an A/B on an H200, where it is not): kda_prepare_wgmma's tile
+// stores addressed from one offset a thread, as below, and in every K1 entry point each warp's w
+// tiles as constants; 0 (the default) keeps wgmma_tile_offset at every store and the tiles as
+// runtime values. The same stores to the same places.
+#ifndef KDA_K1_STORE_OFFSETS
+#define KDA_K1_STORE_OFFSETS 0
+#endif
+// In a wgmma tile the swizzle XORs a row's 16-byte piece index (offset bits 4-6) with the row
+// % 8, and an offset's part below bit 4 (the column within a piece, even) never carries into it.
+// So from the offset of row r0 (r0 % 8 == 0), row r0 + r8 of the same columns is
+// wgmma_row_step(offset, r8); and from the offset of columns 2t, 2t + 1 of tile 0 of a
+// [32, 128] tile, channels 8 tile + 2t, + 1 of the same row are wgmma_tile_step(offset, tile).
+// (On a byte offset, I = int, as checked below; on an address, I = uintptr_t: wgmma_step_store.)
+template <typename I>
+__host__ __device__ constexpr I wgmma_row_step(I row0, int r8) {
+  return (row0 ^ I(r8 << 4)) + I(r8 * 128);
+}
+template <typename I>
+__host__ __device__ constexpr I wgmma_tile_step(I tile0, int tile) {
+  return (tile0 ^ I((tile & 7) << 4)) + I((tile >> 3) * (2 * kChunk * 128));
+}
+constexpr bool wgmma_steps_exact() {
+  for (int half = 0; half < 2; ++half)
+    for (int c = 0; c < kHeadDim; c += 2)
+      for (int r8 = 0; r8 < 8; ++r8) {
+        const int r0 = 8 * half;  // q_decayed: rows 16 + r0 .. of [w; q_decayed]; k_restored: rows r0 ..
+        if (wgmma_row_step(kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r0, c), r8) !=
+                kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r0 + r8, c) ||
+            wgmma_row_step(kWgmmaTilesKr + wgmma_tile_offset(kChunk, r0, c), r8) !=
+                kWgmmaTilesKr + wgmma_tile_offset(kChunk, r0 + r8, c))
+          return false;
+      }
+  for (int g = 0; g < 8; ++g)  // w: rows g and g + 8 of [w; q_decayed]
+    for (int t = 0; t < 4; ++t)
+      for (int tile = 0; tile < kHeadDim / 8; ++tile) {
+        const int at = wgmma_tile_step(kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 2 * t), tile);
+        if (at != kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 8 * tile + 2 * t) ||
+            at + 8 * 128 != kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g + 8, 8 * tile + 2 * t))
+          return false;
+      }
+  return true;
+}
+static_assert(wgmma_steps_exact(), "wgmma_row_step and wgmma_tile_step address what wgmma_tile_offset does");
+// The same steps on an address, where the block's start is 128-byte aligned (kWorkspaceBytes is a
+// multiple of kWorkspaceAlign, and the host checks the workspace's start:
+// kda.cuda.forward.workspace_address): the XOR then touches bits 4-6 of the address alone (one
+// instruction on its low word), and the added multiples of 128 fold into the store's immediate
+// offset. The store is a global one by name: formed from an integer, the address is no longer
+// known to be global, and a generic store was compiled (and __stwb's st.global.wb a strong one,
+// STG.E.STRONG.SM; nvcc 13.0).
+static_assert(kWorkspaceAlign % 128 == 0 && kWorkspaceBytes % kWorkspaceAlign == 0,
+              "every workspace block starts 128-byte aligned");
+__device__ __forceinline__ uintptr_t address(const unsigned char* at) { return reinterpret_cast<uintptr_t>(at); }
+__device__ __forceinline__ void wgmma_step_store(uintptr_t at, uint32_t value) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(value));
+}
+
 __device__ __forceinline__ float load_as_float(const void* base, int64_t index, bool is_f32) {
   return is_f32 ? static_cast<const float*>(base)[index]
                 : __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
@@ -291,6 +349,7 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
                                         int g, int t) {
   // tile_offset(g, 8 tile + 2 t) = w_row + 16 (tile ^ g); row g + 8 has the same swizzle.
   unsigned char* const w_row = ws + WorkspaceLayout::w + g * kHeadDim * 2 + 2 * t * 2;
+  [[maybe_unused]] const int wq_row = kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, 2 * t);  // tile 0's
 #pragma unroll
   for (int tile = tile0; tile < tile0 + kTiles; ++tile) {
     const int n0 = tile * 8;
@@ -311,10 +370,16 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
 #endif
     }
     if constexpr (kWgmmaTiles) {  // rows 0-15 of [w; q_decayed]
+#if KDA_K1_STORE_OFFSETS
+      const uintptr_t at = wgmma_tile_step(address(ws + wq_row), tile);
+      wgmma_step_store(at, pack_bf16(d[0], d[1]));
+      wgmma_step_store(at + 8 * 128, pack_bf16(d[2], d[3]));  // row g + 8
+#else
       const int c = n0 + 2 * t;
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g, c)) = pack_bf16(d[0], d[1]);
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, g + 8, c)) =
           pack_bf16(d[2], d[3]);
+#endif
     } else {
       uint32_t* const w_at = reinterpret_cast<uint32_t*>(w_row + ((tile ^ g) << 4));
       w_at[0] = pack_bf16(d[0], d[1]);
@@ -345,6 +410,9 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
   // tile_offset(r0 + r8, c0) = ws_pair + 256 r8 + 16 ((c0 / 8) ^ r8), as r0 % 8 = 0.
   unsigned char* const ws_pair = ws + pr.r0 * kHeadDim * 2 + pr.c0 % 8 * 2;
   const int piece = pr.c0 / 8;
+  // rows r0 of q_decayed and k_restored in the wgmma tiles (wgmma_row_step takes them to r0 + r8)
+  [[maybe_unused]] const int qd_row = kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + pr.r0, pr.c0);
+  [[maybe_unused]] const int kr_row = kWgmmaTilesKr + wgmma_tile_offset(kChunk, pr.r0, pr.c0);
   for (int r8 = 0; r8 < 8; ++r8) {
     const int r = pr.r0 + r8;
     const uint32_t q2 = *reinterpret_cast<const uint32_t*>(&s.q[pr.raw(r8)]);
@@ -372,10 +440,15 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     *reinterpret_cast<float2*>(&s.kd[r][pr.c0]) = make_float2(kd[0], kd[1]);
     *reinterpret_cast<float2*>(&s.ki()[r][pr.c0]) = make_float2(ki[0], ki[1]);
     if constexpr (kWgmmaTiles) {  // q_decayed: rows 16-31 of [w; q_decayed]
+#if KDA_K1_STORE_OFFSETS
+      wgmma_step_store(wgmma_row_step(address(ws + qd_row), r8), pack_bf16(qd[0], qd[1]));
+      wgmma_step_store(wgmma_row_step(address(ws + kr_row), r8), pack_bf16(restored[0], restored[1]));
+#else
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesWq + wgmma_tile_offset(2 * kChunk, kChunk + r, pr.c0)) =
           pack_bf16(qd[0], qd[1]);
       *reinterpret_cast<uint32_t*>(ws + kWgmmaTilesKr + wgmma_tile_offset(kChunk, r, pr.c0)) =
           pack_bf16(restored[0], restored[1]);
+#endif
     } else {
       unsigned char* const ws_at = ws_pair + r8 * kHeadDim * 2 + ((piece ^ r8) << 4);
       *reinterpret_cast<uint32_t*>(ws_at + WS::q_decayed) = pack_bf16(qd[0], qd[1]);
@@ -505,10 +578,19 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
     else
       left_fragment(a[k0 / 8], inverse_beta, k0, g_row, t_col);
   }
+#if KDA_K1_STORE_OFFSETS
+  switch (warp) {  // each warp's tiles as constants: their kd reads and stores at immediate offsets
+    case 0: w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col); break;
+    case 1: w_tiles<5, kWgmmaTiles>(s, ws, 1, a, g_row, t_col); break;
+    case 2: w_tiles<5, kWgmmaTiles>(s, ws, 6, a, g_row, t_col); break;
+    default: w_tiles<5, kWgmmaTiles>(s, ws, 11, a, g_row, t_col); break;
+  }
+#else
   if (warp == 0)
     w_tiles<1, kWgmmaTiles>(s, ws, 0, a, g_row, t_col);
   else
     w_tiles<5, kWgmmaTiles>(s, ws, 1 + 5 * (warp - 1), a, g_row, t_col);
+#endif
 }
 
 // Step 1 and the gate for one chunk (bos: its first token; rows of them): the inputs in shared
