@@ -175,6 +175,21 @@ def fp64_direct(case: Case, scale: float | None = None, allow_neg_eigval: bool =
     return o, ht.transpose(-1, -2) if c.state_v_first else ht
 
 
+def recurrent_kwargs(case: Case, **over) -> dict:
+    """``case``'s keyword arguments for fused_recurrent_kda (which takes no safe_gate)."""
+    kw = case.kwargs(**over)
+    kw.pop("safe_gate", None)
+    return kw
+
+
+def start_states(pool: torch.Tensor, slots, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The state each sequence starts from in a pool: its slot's, or zeros for no slot (negative
+    or past the pool), in ``dtype`` (None: the pool's)."""
+    P = pool.shape[0]
+    states = torch.stack([pool[s] if 0 <= s < P else torch.zeros_like(pool[0]) for s in slots])
+    return states if dtype is None else states.to(dtype)
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return reference.relative_rms(x.cpu(), ref.cpu())
 

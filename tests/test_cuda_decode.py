@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kda
-from helpers import assert_close_fp64, cuda_ready, fp64_reference, make_case, rel
+from helpers import assert_close_fp64, cuda_ready, fp64_reference, make_case, recurrent_kwargs, rel, start_states
 from kda import abi
 from kda.api import checked_problem
 from kda.cuda import BACKEND
@@ -28,12 +28,6 @@ def decode_case(lens=None, B=1, T=1, HV=2, group=1, gate="lower_bound", layout=F
     shape = dict(seq_lens=lens) if lens is not None else dict(B=B, T=T)
     return make_case(**shape, H=HV // group, HV=HV, K=D, V=D, dtype=torch.bfloat16, gate=gate, state_v_first=layout,
                      with_state=with_state, device="cuda", seed=seed)  # fmt: skip
-
-
-def recurrent_kwargs(case, **over):
-    kw = case.kwargs(**over)
-    kw.pop("safe_gate", None)
-    return kw
 
 
 @given(
@@ -81,12 +75,6 @@ def pool_of(P, HV, layout, dtype, seed):
     return torch.randn(P, HV, D, D, generator=gen, device="cuda").to(dtype)
 
 
-def start_states(pool, slots):
-    P = pool.shape[0]
-    return torch.stack([pool[s].float() if 0 <= s < P else torch.zeros_like(pool[0], dtype=torch.float32)
-                        for s in slots])  # fmt: skip
-
-
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -102,7 +90,7 @@ def test_gpu_cuda_pool_reads_and_writes_the_named_slots_only(pool_dtype, layout,
         o, out = kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case, initial_state=pool),
                                          inplace_final_state=True, ssm_state_indices=idx, backend="cuda")  # fmt: skip
     assert out is pool and "cuda:pooled_decode" in events, events
-    case.initial_state = start_states(before, slots)
+    case.initial_state = start_states(before, slots, torch.float32)
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, O_BAR, "o")
     for n, s in enumerate(slots):

@@ -19,7 +19,6 @@ lock, so a parallel run (pytest -n) runs them in turn; skipped with the reason o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import gc
 import os
@@ -29,7 +28,16 @@ import pytest
 import torch
 
 import kda
-from helpers import GRAD_INPUTS, Case, assert_close_fp64, cuda_ready, fp64_reference, rel
+from helpers import (
+    GRAD_INPUTS,
+    Case,
+    assert_close_fp64,
+    cuda_ready,
+    fp64_reference,
+    recurrent_kwargs,
+    rel,
+    start_states,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.bigmem]
 
@@ -176,12 +184,6 @@ def test_gpu_one_sequence_past_two_to_the_31_elements_in_time_blocks(monkeypatch
         check_long_end(case, o, ht, 0, T, first)
 
 
-def recurrent_kwargs(case: Case, **over) -> dict:
-    kw = case.kwargs(**over)
-    kw.pop("safe_gate", None)
-    return kw
-
-
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=cuda_ready), "triton"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_pool_slots_past_two_to_the_31_elements(backend, pool_dtype):
@@ -195,8 +197,7 @@ def test_gpu_pool_slots_past_two_to_the_31_elements(backend, pool_dtype):
         gen = torch.Generator(device=DEV).manual_seed(1303)
         pool = torch.randn(P, H, D, D, generator=gen, device=DEV, dtype=pool_dtype)
         before = pool.clone()
-        start = torch.stack([before[s].float() if s >= 0 else torch.zeros_like(before[0], dtype=torch.float32)
-                             for s in slots])  # fmt: skip
+        start = start_states(before, slots, torch.float32)
         idx = torch.tensor(slots, dtype=torch.int64, device=DEV)
         step = big_case([1] * len(slots), H, seed=1304)  # one token a sequence
         with kda.record_dispatch() as events:
@@ -266,9 +267,7 @@ def test_gpu_gradients_past_two_to_the_31_state_gradient_elements(backend):
         assert f"{backend}:state_grad_chain" in events, events  # the backward's reverse chain ran there
 
         def alone(start, end, initial_state):
-            c = window(case, start, end, initial_state)
-            return Case(**{f.name: getattr(c, f.name) if not isinstance(getattr(c, f.name), torch.Tensor)
-                           else getattr(c, f.name).to(DEV) for f in dataclasses.fields(c)})  # fmt: skip
+            return window(case, start, end, initial_state).to(device=DEV)
 
         win = window_gradients(alone(first, T0, torch.zeros_like(case.initial_state[:1])), backend,
                                [(RESET, RESET + WINDOW, do_w)], [(0, dht[0])])  # fmt: skip

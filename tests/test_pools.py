@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kda
-from helpers import AUTO, DEVICE, make_case, rel
+from helpers import AUTO, DEVICE, make_case, rel, start_states
 
 BACKENDS = ("torch", AUTO)  # AUTO: Triton's decode kernel (by name on CPU, auto on a GPU)
 BAR = 1e-5  # float32 against the float64 token loop
@@ -31,12 +31,6 @@ def decode_kwargs(case):
     for name in ("safe_gate", "initial_state", "output_final_state"):
         kw.pop(name, None)
     return kw
-
-
-def start_states(pool, slots):
-    """The state each sequence starts from: its slot's, or zeros for no slot."""
-    P = pool.shape[0]
-    return torch.stack([pool[s] if 0 <= s < P else torch.zeros_like(pool[0]) for s in slots])
 
 
 def plain_decode(case, h0):
