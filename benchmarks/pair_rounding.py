@@ -81,20 +81,28 @@ def run(q, k, v, g, beta, scale, pairs: bool, coupling_round=bf16):
     return o, S
 
 
-for lowered in (0.0, 6.0):
-    case = make_case(B=1, T=T, H=HV, HV=HV, K=K, V=V, dtype=torch.bfloat16, gate="lower_bound", seed=5)
-    case.g = case.g - lowered
-    c64 = case.to(torch.float64, "cpu")
-    dt_bias = None if c64.dt_bias is None else c64.dt_bias.view(HV, -1)
-    q, k, g, beta = reference.activate_inputs(
-        c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=True, use_beta_sigmoid=True,
-        A_log=c64.A_log, dt_bias=dt_bias, lower_bound=-5.0,
-    )  # fmt: skip
-    scale = K**-0.5
-    o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
-    inputs32 = [x[0].float() for x in (q, k, c64.v, g, beta)]
-    print(f"T = {T}, gate lowered by {lowered}:")
-    forms = (("chunk", False, bf16), ("pair, D bf16", True, bf16), ("pair, D hi+lo", True, pair_of_bf16))
-    for name, pairs, rounding in forms:
-        o, s = run(*inputs32, scale, pairs, rounding)
-        print(f"  {name:14s} o {relative_rms(o, o64[0]):.3e}  state {relative_rms(s, s64[0]):.3e}")
+def problems():
+    """``(lowered, inputs, scale, o64, s64)`` for the bench gate and the same lowered by 6: the
+    activated float32 inputs ``(q, k, v, g, beta)`` of one sequence ``[T, HV, ...]`` and the float64
+    chunk form's o and final state on them."""
+    for lowered in (0.0, 6.0):
+        case = make_case(B=1, T=T, H=HV, HV=HV, K=K, V=V, dtype=torch.bfloat16, gate="lower_bound", seed=5)
+        case.g = case.g - lowered
+        c64 = case.to(torch.float64, "cpu")
+        dt_bias = None if c64.dt_bias is None else c64.dt_bias.view(HV, -1)
+        q, k, g, beta = reference.activate_inputs(
+            c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=True, use_beta_sigmoid=True,
+            A_log=c64.A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        )  # fmt: skip
+        scale = K**-0.5
+        o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
+        yield lowered, [x[0].float() for x in (q, k, c64.v, g, beta)], scale, o64[0], s64[0]
+
+
+if __name__ == "__main__":
+    for lowered, inputs32, scale, o64, s64 in problems():
+        print(f"T = {T}, gate lowered by {lowered}:")
+        forms = (("chunk", False, bf16), ("pair, D bf16", True, bf16), ("pair, D hi+lo", True, pair_of_bf16))
+        for name, pairs, rounding in forms:
+            o, s = run(*inputs32, scale, pairs, rounding)
+            print(f"  {name:14s} o {relative_rms(o, o64):.3e}  state {relative_rms(s, s64):.3e}")
