@@ -29,6 +29,13 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 to the nearest tf32 (10 mantissa bits; ties away from zero), as prepare.cu's
+    round_tf32 and the tensor core's truncation together give."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
 def pair_of_bf16(x: torch.Tensor) -> torch.Tensor:
     hi = bf16(x)
     return hi + bf16(x - hi)

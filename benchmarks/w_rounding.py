@@ -22,13 +22,6 @@ from kda import reference  # noqa: E402
 from kda.reference import relative_rms  # noqa: E402
 
 
-def tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 to the nearest tf32 (10 mantissa bits; ties away from zero), as prepare.cu's
-    round_tf32 and the tensor core's truncation together give."""
-    bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
-
-
 def run(q, k, v, g, beta, scale, one_tf32: bool):
     S = torch.zeros(pr.HV, pr.K, pr.V, dtype=torch.float32)
     o = torch.zeros_like(v)
@@ -36,15 +29,16 @@ def run(q, k, v, g, beta, scale, one_tf32: bool):
         if one_tf32:
             e = reference.chunk_decays(g[rows].transpose(0, 1))
             k_decayed = k[rows].transpose(0, 1) * e.from_start
-            ops = dataclasses.replace(ops, w=tf32(ops.inverse_beta) @ tf32(k_decayed))
+            ops = dataclasses.replace(ops, w=pr.tf32(ops.inverse_beta) @ pr.tf32(k_decayed))
         O, S = pr.chunk_step(pr.stored(ops), v[rows].transpose(0, 1), S)
         o[rows] = O.transpose(0, 1)
     return o, S
 
 
-print("w in one tf32 product against 3xTF32 (the CUDA path's other roundings as pair_rounding.py's):")
-for lowered, inputs32, scale, o64, s64 in pr.problems():
-    print(f"T = {pr.T}, gate lowered by {lowered}:")
-    for name, one in (("3xTF32", False), ("one tf32", True)):
-        o, s = run(*inputs32, scale, one)
-        print(f"  {name:9s} o {relative_rms(o, o64):.4e}  state {relative_rms(s, s64):.4e}")
+if __name__ == "__main__":
+    print("w in one tf32 product against 3xTF32 (the CUDA path's other roundings as pair_rounding.py's):")
+    for lowered, inputs32, scale, o64, s64 in pr.problems():
+        print(f"T = {pr.T}, gate lowered by {lowered}:")
+        for name, one in (("3xTF32", False), ("one tf32", True)):
+            o, s = run(*inputs32, scale, one)
+            print(f"  {name:9s} o {relative_rms(o, o64):.4e}  state {relative_rms(s, s64):.4e}")
