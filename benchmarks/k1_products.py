@@ -1,0 +1,125 @@
+"""What K1's three products in single tf32 would cost in accuracy, on the CPU:
+``python benchmarks/k1_products.py [T]``.
+
+K1 forms A = Diag(beta) K~ Kinv^T in 3xTF32 (float32-level), M = Q~ Kinv^T in one tf32 product
+(stored in bf16), and w = inverse_beta K~ in 3xTF32 (stored in bf16) (prepare.cu, steps 2 and 4).
+The candidate builds ``-DKDA_K1_A_TF32=1`` and ``-DKDA_K1_W_TF32=1`` take A and w to one tf32
+product each, operands rounded to nearest. This runs the CUDA path's roundings as
+benchmarks/pair_rounding.py models them (its ``stored`` and ``chunk_step``), with K1's float32
+operands (K~, Kinv = k exp(-G), Q~) formed in float32 and each product in the form named, and
+prints o and the final state against the float64 chunk form (relative RMS) for bf16 inputs, K =
+V = 128, over input families where A's conditioning is worse than the bench's: keys of cosine
+0.99 and more (a shared direction plus noise), negative eigenvalues (beta in (0, 2)), a long memory
+(the raw gate lowered by 6), and the precomputed gate (with steep steps). ``truncated`` is the
+tensor core reading float32 bits as they are (its tf32 truncation), for comparison."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import pair_rounding as pr  # noqa: E402
+from pair_rounding import tf32  # noqa: E402
+
+from helpers import make_case  # noqa: E402
+from kda import reference  # noqa: E402
+from kda.reference import relative_rms  # noqa: E402
+
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+
+
+def truncated(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+def product(form: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if form == "3xtf32":  # the three largest of the split operands' products
+        a_hi, b_hi = truncated(a), truncated(b)
+        return a_hi @ b_hi + a_hi @ (b - b_hi) + (a - a_hi) @ b_hi
+    if form == "tf32":
+        return tf32(a) @ tf32(b)
+    if form == "truncated":
+        return truncated(a) @ truncated(b)
+    raise ValueError(form)
+
+
+def prepare(q, k, g, beta, scale, A_form, w_form) -> reference.ChunkOperands:
+    """reference.prepare_chunk in float32 with K1's products (no row past the exp2 limit)."""
+    C = q.shape[-2]
+    e = reference.chunk_decays(g)
+    k_decayed, q_decayed, k_inverse = k * e.from_start, scale * q * e.from_start, k / e.from_start
+    strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    A = (product(A_form, k_decayed, k_inverse.mT) * beta.unsqueeze(-1)).masked_fill(~strict, 0.0)
+    M = product("tf32", q_decayed, k_inverse.mT).masked_fill(~torch.ones(C, C, dtype=torch.bool).tril(0), 0.0)
+    inverse_beta = reference.unit_lower_inverse(A) * beta.unsqueeze(-2)
+    return reference.ChunkOperands(
+        q_decayed=q_decayed, w=product(w_form, inverse_beta, k_decayed), inverse_beta=inverse_beta, M=M,
+        k_restored=k * e.to_end, gamma=e.whole,
+    )  # fmt: skip
+
+
+def run(q, k, v, g, beta, scale, A_form, w_form):
+    S = torch.zeros(pr.HV, pr.K, pr.V, dtype=torch.float32)
+    o = torch.zeros_like(v)
+    for c0 in range(0, q.shape[0], reference.CHUNK):
+        rows = slice(c0, c0 + reference.CHUNK)
+        ops = prepare(*(x[rows].transpose(0, 1) for x in (q, k, g, beta)), scale, A_form, w_form)
+        O, S = pr.chunk_step(pr.stored(ops), v[rows].transpose(0, 1), S)
+        o[rows] = O.transpose(0, 1)
+    return o, S
+
+
+def problem(gate: str, spread: float | None, negative: bool, lowered: float, seed: int = 7):
+    """The activated float32 inputs of one sequence and the float64 chunk form's o and state."""
+    case = make_case(B=1, T=T, H=pr.HV, HV=pr.HV, K=pr.K, V=pr.V, dtype=torch.bfloat16, gate=gate, seed=seed,
+                     steep_steps=8 if gate == "precomputed" else 0)  # fmt: skip
+    if spread is not None:  # every key a shared direction (per head) plus noise of this size
+        gen = torch.Generator().manual_seed(seed + 1)
+        base = torch.randn(1, 1, pr.HV, pr.K, generator=gen)
+        case.k = (base + spread * torch.randn(case.k.shape, generator=gen)).to(torch.bfloat16)
+    case.g = case.g - lowered
+    c64 = case.to(torch.float64, "cpu")
+    in_kernel = gate != "precomputed"
+    q, k, g, beta = reference.activate_inputs(
+        c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=in_kernel, use_beta_sigmoid=True,
+        allow_neg_eigval=negative, A_log=c64.A_log, lower_bound=-5.0 if in_kernel else None,
+        dt_bias=None if c64.dt_bias is None else c64.dt_bias.view(pr.HV, -1),
+    )  # fmt: skip
+    scale = pr.K**-0.5
+    o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
+    return [x[0].float() for x in (q, k, c64.v, g, beta)], scale, o64[0], s64[0]
+
+
+PROBLEMS = [  # (gate, key spread, negative eigenvalues, gate lowered by)
+    ("lower_bound", None, False, 0.0),
+    ("lower_bound", None, False, 6.0),
+    ("lower_bound", 0.3, False, 6.0),
+    ("lower_bound", 0.1, True, 6.0),
+    ("lower_bound", 0.01, True, 6.0),
+    ("precomputed", None, False, 0.0),
+    ("precomputed", 0.1, False, 0.0),
+    ("precomputed", 0.1, True, 0.0),
+]
+FORMS = [  # (name, A's product, w's product)
+    ("today (A, w 3xTF32)", "3xtf32", "3xtf32"),
+    ("A tf32", "tf32", "3xtf32"),
+    ("w tf32", "3xtf32", "tf32"),
+    ("A, w tf32", "tf32", "tf32"),
+    ("A truncated", "truncated", "3xtf32"),
+]
+
+if __name__ == "__main__":
+    print(f"o / final state against float64, relative RMS; T = {T}, HV = {pr.HV}, K = V = {pr.K}")
+    print("| gate | keys | beta | lowered | " + " | ".join(name for name, *_ in FORMS) + " |")
+    print("|---|---|---|---:|" + "---|" * len(FORMS))
+    for gate, spread, negative, lowered in PROBLEMS:
+        inputs, scale, o64, s64 = problem(gate, spread, negative, lowered)
+        cells = []
+        for _, A_form, w_form in FORMS:
+            o, s = run(*inputs, scale, A_form, w_form)
+            cells.append(f"{relative_rms(o, o64):.4e} / {relative_rms(s, s64):.4e}")
+        keys = "random" if spread is None else f"shared + {spread} noise"
+        print(f"| {gate} | {keys} | {'(0, 2)' if negative else '(0, 1)'} | {lowered} | " + " | ".join(cells) + " |",
+              flush=True)  # fmt: skip
