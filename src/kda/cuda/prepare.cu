@@ -147,7 +147,7 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
 // KDA_K1_A_TF32=1 (a candidate, 2026-12-05, off by default): A in one tf32 product, both operands
 // rounded to nearest (round_tf32, as M's), in place of 3xTF32. The design had 3xTF32 there because
 // the solve amplifies A's errors. On the CUDA path's modelled roundings against float64 (T = 1024,
-// bf16 inputs, K = V = 128; the bench gate, a long memory, keys of cosine 0.99 and more, negative
+// bf16 inputs, K = V = 128; the bench gate, a long memory, keys of cosine 0.92 to 0.9999, negative
 // eigenvalues, the precomputed gate) o and the final state moved by -0.2% to +0.5%: the
 // workspace's bf16 stores dominate (benchmarks/k1_products.py). A's splits go (two instructions
 // an operand element) with two of its three MMAs, and it shares M's rounded right operand:
