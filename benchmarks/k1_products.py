@@ -12,7 +12,7 @@ V = 128, over input families where A's conditioning is worse than the bench's: k
 about 0.92, 0.99 and 0.9999 (a shared direction plus noise of 0.3, 0.1, 0.01), negative
 eigenvalues (beta in (0, 2)), a long memory (the raw gate lowered by 6), and the precomputed gate
 (with steep steps). ``truncated`` is the tensor core reading float32 bits as they are (its tf32
-truncation), for comparison."""
+truncation), for comparison. The last column: inverse_beta (A 3xTF32 / tf32) against A in float32."""
 
 import os
 import sys
@@ -43,6 +43,8 @@ def product(form: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return tf32(a) @ tf32(b)
     if form == "truncated":
         return truncated(a) @ truncated(b)
+    if form == "float32":
+        return a @ b
     raise ValueError(form)
 
 
@@ -70,6 +72,17 @@ def run(q, k, v, g, beta, scale, A_form, w_form):
         O, S = pr.chunk_step(pr.stored(ops), v[rows].transpose(0, 1), S)
         o[rows] = O.transpose(0, 1)
     return o, S
+
+
+def inverse_beta_error(q, k, v, g, beta, scale, A_form) -> float:
+    """inverse_beta of every chunk with A in ``A_form`` against A in float32 (relative RMS): what
+    tests/test_cuda.py's K1-against-Triton check (float32 products there) holds to 1e-4."""
+    got, want = [], []
+    for c0 in range(0, q.shape[0], reference.CHUNK):
+        chunk = [x[c0 : c0 + reference.CHUNK].transpose(0, 1) for x in (q, k, g, beta)]
+        got.append(prepare(*chunk, scale, A_form, "float32").inverse_beta)
+        want.append(prepare(*chunk, scale, "float32", "float32").inverse_beta)
+    return relative_rms(torch.cat(got).double(), torch.cat(want).double())
 
 
 def problem(gate: str, spread: float | None, negative: bool, lowered: float, seed: int = 7):
@@ -113,8 +126,12 @@ FORMS = [  # (name, A's product, w's product)
 
 if __name__ == "__main__":
     print(f"o / final state against float64, relative RMS; T = {T}, HV = {pr.HV}, K = V = {pr.K}")
-    print("| gate | keys | beta | lowered | " + " | ".join(name for name, *_ in FORMS) + " |")
-    print("|---|---|---|---:|" + "---|" * len(FORMS))
+    print(
+        "| gate | keys | beta | lowered | "
+        + " | ".join(name for name, *_ in FORMS)
+        + " | inverse_beta against A in float32: 3xTF32 / tf32 |"
+    )
+    print("|---|---|---|---:|" + "---|" * (len(FORMS) + 1))
     for gate, spread, negative, lowered in PROBLEMS:
         inputs, scale, o64, s64 = problem(gate, spread, negative, lowered)
         cells = []
@@ -122,5 +139,6 @@ if __name__ == "__main__":
             o, s = run(*inputs, scale, A_form, w_form)
             cells.append(f"{relative_rms(o, o64):.4e} / {relative_rms(s, s64):.4e}")
         keys = "random" if spread is None else f"shared + {spread} noise"
-        print(f"| {gate} | {keys} | {'(0, 2)' if negative else '(0, 1)'} | {lowered} | " + " | ".join(cells) + " |",
-              flush=True)  # fmt: skip
+        inverse = " / ".join(f"{inverse_beta_error(*inputs, scale, form):.1e}" for form in ("3xtf32", "tf32"))
+        print(f"| {gate} | {keys} | {'(0, 2)' if negative else '(0, 1)'} | {lowered} | " + " | ".join(cells) +
+              f" | {inverse} |", flush=True)  # fmt: skip

@@ -77,6 +77,7 @@ CANDIDATES = (
     ("prepare.cu", ("-DKDA_K1_STORE_OFFSETS=1",)),  # K1's tile stores by address bits (8a84845, back for an H200)
     ("prepare.cu", ("-DKDA_K1_W_TF32=1", "-DKDA_K1_STORE_OFFSETS=1")),
     ("prepare.cu", ("-DKDA_K1_A_TF32=1",)),  # K1's A in one tf32 product (2026-12-05)
+    ("prepare.cu", ("-DKDA_K1_A_TF32=1", "-DKDA_K1_W_TF32=1")),
     ("prepare.cu", ("-DKDA_K1_A_TF32=1", "-DKDA_K1_W_TF32=1", "-DKDA_K1_STORE_OFFSETS=1")),
 )
 

@@ -152,8 +152,9 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
 // workspace's bf16 stores dominate (benchmarks/k1_products.py). A's splits go (two instructions
 // an operand element) with two of its three MMAs, and it shares M's rounded right operand:
 // kda_prepare_wgmma 1984 -> 1904 static instructions, 84 -> 68 HMMA, 80 registers, no spills.
-// A NaN that k's arithmetic made (0x7fffffff) rounds to zero here as in M: the chunk's own rows
-// then lose it, which still reaches the state through k_restored.
+// A NaN that k's arithmetic made (0x7fffffff) rounds to zero here as in M; w's split (a mask)
+// still carries it into U and the chunk's own outputs, unless -DKDA_K1_W_TF32=1 rounds w's
+// operands too: then only k_restored carries it (the state and every later chunk).
 #ifndef KDA_K1_A_TF32
 #define KDA_K1_A_TF32 0
 #endif
@@ -233,7 +234,7 @@ __device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x 
 // low 13 mantissa bits: one integer add instead of a truncation bias. For finite x (and
 // infinities); a NaN whose high mantissa bits are all ones wraps to a zero, so a NaN in q or
 // k does not reach M through this product. It still reaches the outputs, through q_decayed
-// and through A (split by a mask, which keeps NaNs) and so w and the state.
+// and through A (split by a mask, which keeps NaNs; in the default build) and so w and the state.
 __device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 // x_i = b_i - sum_{l < i} A_il x_l for the 16 rows of one right-hand side, in place.
