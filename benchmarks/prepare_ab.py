@@ -42,7 +42,12 @@ label = sys.argv[1]
 calls = {"kda-cuda": lambda t, kw: kda.chunk_kda(*t, backend="cuda", **kw)}
 cases = [*bench.ANCHOR_CASES, dict(bench.ANCHOR_CASES[0], name="1x8192 H96 lb -8")]
 # AB_LONG_CASES="0,1,3": kda.bench_long's cases too (issue 13's bars are on them), timed as the anchors
-cases += [bench_long.LONG_CASES[int(i)] for i in os.environ.get("AB_LONG_CASES", "").split(",") if i]
+# (one the anchors already hold, 1x32768 H32, is not timed twice)
+cases += [
+    case
+    for case in (bench_long.LONG_CASES[int(i)] for i in os.environ.get("AB_LONG_CASES", "").split(",") if i)
+    if case["name"] not in {c["name"] for c in cases}
+]
 out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "split": {}, "hash": {}}
 
 
