@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kda
-from helpers import DEVICE, assert_close_fp64, fp64_direct, make_case
+from helpers import DEVICE, assert_close_fp64, fp64_direct, make_case, rel
 from kda import dispatch
 
 # Why the cuda backend is off on a machine without a GPU, depending on what was installed.
@@ -210,6 +210,37 @@ def test_bench_table_renders_every_section():
                      "| 1x8192 H96 | kda-cuda | 0.910, 0.900 | 1980, 1830 | 75% |",
                      "| 1x8192 H96 | fla | 2.600, 2.600 | -, - | 0% |"):  # fmt: skip
         assert expected in table, table
+
+
+def test_bench_precomputed_gate_case_is_the_softplus_gate_applied_outside():
+    """The bench's Kimi-Linear serving case (make_inputs' "precomputed") times the function the
+    in-kernel softplus gate and beta sigmoid compute: gate_outside's call gives the in-kernel
+    call's o and state (up to beta's bf16 rounding), and is far off where the parameters differ;
+    the case's own inputs are in that form, with kimi_gate_params' ranges, and its floor counts
+    g's float32 bytes."""
+    import kda
+    from kda import bench
+
+    case = dict(bench.ANCHOR_CASES[-1], seq_lens=[40, 27], H=2)
+    assert case["gate"] == "precomputed"
+    tensors, kw = bench.make_inputs(dict(case, gate="softplus"), device="cpu", seed=3)
+    kw["A_log"], kw["dt_bias"] = bench.kimi_gate_params(2, torch.Generator().manual_seed(4), "cpu")
+    outside, outside_kw = bench.gate_outside(tensors, kw)
+    inside_o, inside_s = kda.chunk_kda(*tensors, **kw, backend="torch")
+    o, s = kda.chunk_kda(*outside, **outside_kw, backend="torch")
+    assert rel(o.float(), inside_o.float()) < 4e-3 and rel(s, inside_s) < 4e-3
+    other, other_kw = bench.gate_outside(tensors, dict(kw, A_log=kw["A_log"] + 0.5))
+    assert rel(kda.chunk_kda(*other, **other_kw, backend="torch")[0].float(), inside_o.float()) > 4e-2
+
+    (*_, g, beta), case_kw = bench.make_inputs(case, device="cpu", seed=3)
+    assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16 and bool((g <= 0).all() and (g < 0).any())
+    assert not case_kw["use_gate_in_kernel"] and not case_kw["use_beta_sigmoid_in_kernel"]
+    assert {"A_log", "dt_bias", "lower_bound", "safe_gate"}.isdisjoint(case_kw)
+    A_log, dt_bias = bench.kimi_gate_params(64, torch.Generator().manual_seed(0), "cpu")
+    softplus = torch.nn.functional.softplus(dt_bias)
+    assert A_log.exp().min() >= 1 and A_log.exp().max() <= 16
+    assert softplus.min() >= 0.99e-3 and softplus.max() <= 0.101
+    assert bench.floor_bytes(case) - bench.floor_bytes(dict(case, gate="lower_bound")) == 67 * 2 * 128 * 2
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kda import reference
 from kda.clocks import ClockSampler
 
 # bf16, K = V = 128, lower-bound gate lb = -5, l2norm and beta sigmoid fused, fp32 state [N, H, V, K].
@@ -27,6 +29,10 @@ ANCHOR_CASES = [
     {"name": "1x32768 H32", "seq_lens": [32768], "H": 32},
     {"name": "16x4096 H32", "batch": 16, "T": 4096, "H": 32},
     {"name": "16x2048 H16", "batch": 16, "T": 2048, "H": 16},
+    # Kimi-Linear-48B as vLLM and the HF modeling code call it (shared/design/anchors.md): its
+    # unbounded softplus gate computed outside the kernel (make_inputs' "precomputed"), which
+    # FlashKDA cannot serve and kda's CUDA path takes through K1's far entry point
+    {"name": "1x8192 H32 precomputed gate", "seq_lens": [8192], "H": 32, "gate": "precomputed"},
 ]
 # FlashKDA / fla ratios measured on the same kind of H200 (shared/anchors/h200-2026-11-30.json).
 FLASH_KDA_RATIO = {
@@ -40,9 +46,23 @@ D = 128
 COPY_TBPS_FALLBACK = 4.27
 
 
+def kimi_gate_params(H: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A_log [H], dt_bias [H * D])`` of make_inputs' "precomputed" gate: A_log = log U(1, 16)
+    (fla's initial values) and dt_bias with softplus(dt_bias) log-uniform in [1e-3, 1e-1] (Mamba2's
+    dt initialisation)."""
+    A_log = torch.empty(H, device=device).uniform_(1.0, 16.0, generator=gen).log()
+    dt = torch.empty(H * D, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+    return A_log, dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+
+
 def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple, dict]:
     """Random bf16 inputs of ``case`` (seq_lens or batch x T, H; gate "lower_bound", the default,
-    or "softplus", the gate of Kimi Linear and of fla's chunk_kda without safe_gate)."""
+    "softplus", the gate of Kimi Linear and of fla's chunk_kda without safe_gate, or "precomputed":
+    that gate and beta's sigmoid applied outside the kernel, g in float32, as Kimi-Linear-48B's
+    serving code passes them, with kimi_gate_params: a channel's log-decay a token is then about
+    1e-3, 7e-2 and 3 at its 1st, 50th and 99th percentiles, and no chunk of a 2048-token CPU draw
+    passes K1's factored range, so what the case times of that gate on the CUDA path is its far
+    entry point's fixed cost and the mma.sync K2)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H = case["H"]
     if "seq_lens" in case:
@@ -72,18 +92,36 @@ def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple,
         A_log=torch.rand(H, generator=gen, device=device),
         dt_bias=torch.rand(H * D, generator=gen, device=device),
     )
-    if case.get("gate", "lower_bound") == "softplus":
+    gate = case.get("gate", "lower_bound")
+    if gate in ("softplus", "precomputed"):
         del kwargs["safe_gate"], kwargs["lower_bound"]
+    if gate == "precomputed":
+        kwargs["A_log"], kwargs["dt_bias"] = kimi_gate_params(H, gen, device)
+        tensors, kwargs = gate_outside(tensors, kwargs)
     return tensors, kwargs
 
 
+def gate_outside(tensors: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The same call with its in-kernel softplus gate and beta sigmoid applied before it (the
+    reference's own functions): g in float32, beta in the inputs' dtype, as Kimi-Linear's serving
+    code passes them."""
+    q, k, v, g, beta = tensors
+    _, _, g, beta = reference.activate_inputs(
+        q, k, g.float(), beta.float(), use_gate=True, use_beta_sigmoid=True, A_log=kwargs["A_log"],
+        dt_bias=kwargs["dt_bias"].view(g.shape[-2], -1),
+    )  # fmt: skip
+    rest = {name: x for name, x in kwargs.items() if name not in ("A_log", "dt_bias")}
+    return (q, k, v, g, beta.to(q.dtype)), dict(rest, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+
+
 def floor_bytes(case: dict) -> int:
-    """Bytes that must move: q, k, v, g (bf16), beta read once, o written once, states read
-    and written (fp32)."""
+    """Bytes that must move: q, k, v, g (bf16; float32 in the precomputed-gate case), beta read
+    once, o written once, states read and written (fp32)."""
     H = case["H"]
     T = sum(case["seq_lens"]) if "seq_lens" in case else case["batch"] * case["T"]
     N = len(case["seq_lens"]) if "seq_lens" in case else case["batch"]
-    return T * H * (5 * D * 2 + 2) + 2 * N * H * D * D * 4
+    g_bytes = 4 if case.get("gate") == "precomputed" else 2
+    return T * H * (4 * D * 2 + D * g_bytes + 2) + 2 * N * H * D * D * 4
 
 
 def measure_copy_tbps() -> float:
@@ -382,7 +420,9 @@ def main(args) -> int:
             "during each pass from nvidia-smi (kda.clocks)"
         ),
         "inputs": (
-            "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]"
+            "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]; "
+            "the precomputed-gate case: float32 g = -exp(A_log) softplus(g_raw), A_log = log U(1, 16), and beta's "
+            "sigmoid applied outside (Kimi-Linear-48B's serving form)"
         ),
         "accuracy_vs_fp64": accuracy_rows(calls),
         "host_overhead_tiny_call": host_overhead(calls),
