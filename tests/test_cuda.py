@@ -52,7 +52,7 @@ def test_kernels_built_where_nvcc_exists():
 # (recurrence.cu): registers are allocated per SM sub-partition, 168 fits three warps in one, 128 four.
 REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     "kda_recurrence_w1": 168, "kda_recurrence_w2": 168, "kda_recurrence_w4": 128,
-                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80,
+                    "kda_recurrence_w2k2": 128, abi.PREPARE_WGMMA_KERNEL: 80, abi.PREPARE_FAR_WGMMA_KERNEL: 96,
                     # the wgmma K2: 160 threads at one CTA an SM (255 at most), two (ten warps on
                     # four sub-partitions of 16384 registers, three on some: 168; 204 before 2026-12-04
                     # night, past what two CTAs fit)
@@ -114,7 +114,7 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
     report = {}
     for source in ("prepare.cu", "recurrence.cu", "decode.cu"):
         report |= ptxas_report(SOURCES / source, include, tmp_path)
-    assert set(report) == {abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL,
+    assert set(report) == {*abi.PREPARE_WGMMA_TWINS, *abi.PREPARE_WGMMA_TWINS.values(), abi.TABLES_KERNEL,
                            *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
     assert {name: spills for name, (_, spills, _) in report.items() if spills} == {}
     # An injected wait turns work meant to overlap the wgmmas into work after them (2026-12-04:
@@ -595,7 +595,10 @@ def test_gpu_cuda_k_split_keeps_the_state_bits_and_writes_every_output(cuda_on, 
 @pytest.mark.parametrize("ctas", [1, 2])
 @pytest.mark.parametrize("layout,state_dtype,with_state,lower_bound",
                          [(False, torch.float32, True, -5.0), (True, torch.bfloat16, True, -5.0),
-                          (True, torch.float32, False, -5.0), (False, torch.float32, True, -0.5)])  # fmt: skip
+                          (True, torch.float32, False, -5.0), (False, torch.float32, True, -0.5),
+                          # K1's far entry point's twin (KDA_CUDA_FAR_WGMMA=1): a precomputed g
+                          # (None) with steep steps, whose rows take the pairwise form, and lb = -8
+                          (True, torch.float32, True, None), (False, torch.bfloat16, True, -8.0)])  # fmt: skip
 def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
     cuda_on, monkeypatch, ctas, layout, state_dtype, with_state, lower_bound
 ):
@@ -605,11 +608,19 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
     and with lb = -0.5, where a chunk's state reaches far into the next ones (at lb = -5 a
     chunk decays by about e^-44, so the state carried between chunks barely shows in the
     results: a review, 2026-12-04); as accurate against float64 as the mma.sync K2 on the same
-    inputs, and within 1e-3 of it (float32 accumulation order; run 121: 2e-6 at most)."""
-    case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, "lower_bound", False, with_state, seed=41 + ctas)
+    inputs, and within 1e-3 of it (float32 accumulation order; run 121: 2e-6 at most). The far
+    entry point's gates (a precomputed g with steep steps, lb = -8) take its own twin
+    (kda_prepare_far_wgmma) under KDA_CUDA_FAR_WGMMA=1."""
+    far = lower_bound is None or lower_bound < -5.0
+    monkeypatch.setattr(kda.cuda, "FAR_WGMMA", far)
+    gate = "precomputed" if lower_bound is None else "lower_bound"
+    case = cuda_case([0, 17, 1, 33, 300, 1201], 2, layout, gate, False, with_state, seed=41 + ctas,
+                     steep_steps=40 if lower_bound is None else 0)  # fmt: skip
     if with_state:
         case.initial_state = case.initial_state.to(state_dtype)
-    kw = case.kwargs(final_state_dtype=state_dtype, lower_bound=lower_bound)
+    kw = case.kwargs(final_state_dtype=state_dtype)
+    if lower_bound is not None:
+        kw.update(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     launched = spy_launches(monkeypatch)
     results = {}
@@ -617,11 +628,12 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
         monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", route)
         results[route] = run_poisoned(p, layout, state_dtype, f"{route}: ")
     launched = [name for name in launched if name.startswith(("kda_prepare", "kda_recurrence"))]  # not the tables
-    assert launched[2:] == [abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(ctas)], launched
-    assert launched[0] == abi.PREPARE_KERNEL and not launched[1].startswith("kda_recurrence_wgmma"), launched
+    k1 = abi.PREPARE_FAR_KERNEL if far else abi.PREPARE_KERNEL
+    assert launched[2:] == [abi.PREPARE_WGMMA_TWINS[k1], abi.wgmma_kernel_name(ctas)], launched
+    assert launched[0] == k1 and not launched[1].startswith("kda_recurrence_wgmma"), launched
     (o_mma, ht_mma), (o_w, ht_w) = results["mma"], results[f"wgmma{ctas}"]
     assert rel(o_w, o_mma) < 1e-3 and rel(ht_w.float(), ht_mma.float()) < 1e-3
-    o_ref, ht_ref = fp64_reference(case, lower_bound=lower_bound)
+    o_ref, ht_ref = fp64_reference(case, **({} if lower_bound is None else {"lower_bound": lower_bound}))
     assert_close_fp64(o_w, o_ref, 5e-3, "o")
     assert_close_fp64(ht_w, ht_ref, 5e-3, "state")
     assert rel(o_w, o_ref) <= 1.02 * rel(o_mma, o_ref) + 1e-5
@@ -630,14 +642,19 @@ def test_gpu_wgmma_recurrence_writes_every_output_and_matches_mma_and_fp64(
 
 @pytest.mark.gpu
 @cuda_ready
-def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch):
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, monkeypatch, gate):
     """kda_prepare_wgmma is kda_prepare's arithmetic with other store addresses: its workspace,
     read through loader.workspace_views(wgmma=True), equals kda_prepare's field by field, bit
-    for bit, on every real chunk."""
+    for bit, on every real chunk; and kda_prepare_far_wgmma kda_prepare_far's (a precomputed g
+    with steep steps, whose rows take the pairwise form; KDA_CUDA_FAR_WGMMA=1)."""
     from kda.cuda.forward import run_stages, workspace_bytes
 
-    case = cuda_case([37, 0, 16, 200, 1], 3, False, "lower_bound", False, True, seed=43)
+    monkeypatch.setattr(kda.cuda, "FAR_WGMMA", gate == "precomputed")
+    steep = 0 if gate == "lower_bound" else 30
+    case = cuda_case([37, 0, 16, 200, 1], 3, False, gate, False, True, seed=43, steep_steps=steep)
     p = checked_problem(kda.chunk_kda, *case.tensors(), **case.kwargs())
+    launched = spy_launches(monkeypatch)
     tables = chunk_tables(p)
     real = int(tables.chunk_offsets[-1])
     views = {}
@@ -646,6 +663,8 @@ def test_gpu_wgmma_prepare_stores_kda_prepares_values_in_its_layout(cuda_on, mon
         ws = torch.full((workspace_bytes(p),), 255, dtype=torch.uint8, device="cuda")
         run_stages(p, torch.empty_like(p.v), torch.empty(p.state_shape, device="cuda"), ws)
         views[route] = loader.workspace_views(ws, tables.num_chunks, p.H, wgmma=route != "mma")
+    k1 = abi.PREPARE_KERNEL if gate == "lower_bound" else abi.PREPARE_FAR_KERNEL
+    assert [name for name in launched if name.startswith("kda_prepare")] == [k1, abi.PREPARE_WGMMA_TWINS[k1]], launched
     for name, x in views["mma"].items():
         assert torch.equal(views["wgmma1"][name][:real], x[:real]), name
 

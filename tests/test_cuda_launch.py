@@ -207,27 +207,38 @@ def test_forward_and_backward_launch_the_prepare_entry_point_the_gate_needs(
 
 
 @pytest.mark.parametrize(
-    "H, lower_bound, checkpoints, override, want",
-    [(64, -5.0, False, None, 1), (96, -5.0, False, None, 2), (600, -5.0, False, None, 2), (59, -5.0, False, None, 0),
-     (60, -5.0, False, None, 1), (64, -8.0, False, None, 0), (64, -5.0, True, None, 0), (64, -5.0, False, "mma", 0),
-     (64, -5.0, False, "2", 0), (2, -5.0, False, "wgmma2", 2), (2, -5.0, False, "wgmma1", 1),
-     (2, -8.0, False, "wgmma1", 0), (96, -5.0, True, "wgmma2", 0)],
+    "H, lower_bound, checkpoints, override, far_wgmma, want",
+    [(64, -5.0, False, None, False, 1), (96, -5.0, False, None, False, 2), (600, -5.0, False, None, False, 2),
+     (59, -5.0, False, None, False, 0), (60, -5.0, False, None, False, 1), (64, -8.0, False, None, False, 0),
+     (64, -5.0, True, None, False, 0), (64, -5.0, False, "mma", False, 0), (64, -5.0, False, "2", False, 0),
+     (2, -5.0, False, "wgmma2", False, 2), (2, -5.0, False, "wgmma1", False, 1), (2, -8.0, False, "wgmma1", False, 0),
+     (96, -5.0, True, "wgmma2", False, 0), (64, None, False, None, False, 0),
+     # KDA_CUDA_FAR_WGMMA=1: the far entry point's gates (lb < -5.025, a precomputed g) by the same rule
+     (64, -8.0, False, None, True, 1), (96, None, False, None, True, 2), (59, None, False, None, True, 0),
+     (2, -8.0, False, "wgmma1", True, 1), (96, None, True, None, True, 0), (64, -5.0, False, None, True, 1)],
 )  # fmt: skip
 def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, H, lower_bound, checkpoints, override,
-                                                     want):  # fmt: skip
+                                                     far_wgmma, want):  # fmt: skip
     """forward.recurrence_kind on 132 SMs, and what the forward hands the driver for it: where
     two CTAs a (sequence, head) pair fill 90% of the SMs (119 CTAs: H >= 60 for one sequence),
     K1's twin that stores its tiles for wgmma (kda_prepare_wgmma), then the wgmma K2 at one CTA
     an SM up to a wave and two past it (its grid, 160 threads, its shared memory), and the
-    dispatch log says so; never for K1's far entry point (lb < -5.025) nor with training
-    checkpoints, which it does not write; KDA_CUDA_WARPS forces either kind."""
+    dispatch log says so; never for K1's far entry point (lb < -5.025, or a precomputed g:
+    lower_bound None here) unless KDA_CUDA_FAR_WGMMA=1, which gives it its own twin
+    (kda_prepare_far_wgmma); never with training checkpoints, which it does not write;
+    KDA_CUDA_WARPS forces either kind."""
     from kda.triton.training import checkpoint_shape
 
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", override)
-    case = make_case(seq_lens=[20], H=H, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=4)
-    kw = case.kwargs(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
+    monkeypatch.setattr(kda.cuda, "FAR_WGMMA", far_wgmma)
+    gate = "lower_bound" if lower_bound is not None else "precomputed"
+    case = make_case(seq_lens=[20], H=H, K=128, V=128, dtype=torch.bfloat16, gate=gate, seed=4)
+    kw = case.kwargs()
+    if lower_bound is not None:
+        kw.update(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
+    far = lower_bound is None or lower_bound < -5.0
     p = checked_problem(kda.chunk_kda, *case.tensors(), **kw)
     with kda.record_dispatch() as events:
         forward.chunk_forward(p, torch.empty(checkpoint_shape(p)) if checkpoints else None)
@@ -236,11 +247,12 @@ def test_wgmma_recurrence_by_the_rule_and_the_switch(load_kernels, monkeypatch, 
     k1, k2 = names[k1_args[0]], names[k2_args[0]]
     assert events[:2] == ["cuda:prepare", "cuda:recurrence"], events
     if want:
-        assert (k1, k2) == (abi.PREPARE_WGMMA_KERNEL, abi.wgmma_kernel_name(want))
+        twin = abi.PREPARE_FAR_WGMMA_KERNEL if far else abi.PREPARE_WGMMA_KERNEL
+        assert (k1, k2) == (twin, abi.wgmma_kernel_name(want))
         assert k2_args[1:8] == (2 * H, 1, 1, abi.WGMMA_THREADS, 1, 1, abi.wgmma_shared_bytes(want))
         assert events[2:] == [f"cuda:recurrence:wgmma{want}"], events
     else:
-        assert k1 == (abi.PREPARE_KERNEL if lower_bound >= -5.0 else abi.PREPARE_FAR_KERNEL), k1
+        assert k1 == (abi.PREPARE_FAR_KERNEL if far else abi.PREPARE_KERNEL), k1
         assert k2.startswith("kda_recurrence_w") and not k2.startswith("kda_recurrence_wgmma"), k2
         assert events[2:] == [], events
     assert bool(block.flags & forward.FLAG_STORE_CHECKPOINTS) == checkpoints

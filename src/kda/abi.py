@@ -229,6 +229,9 @@ CHAIN_WIDTHS = (1, 2)  # the same for the training backward's reverse chain (rec
 # 12 KB of the block; the rest of the block is WORKSPACE's. One entry point a count of CTAs an SM
 # (its pipeline stages: shared memory and registers for that many).
 PREPARE_WGMMA_KERNEL = "kda_prepare_wgmma"
+# ... and the far entry point's twin (2026-12-05; kda.cuda.FAR_WGMMA): K1's entry point -> its twin
+PREPARE_FAR_WGMMA_KERNEL = "kda_prepare_far_wgmma"
+PREPARE_WGMMA_TWINS = {PREPARE_KERNEL: PREPARE_WGMMA_KERNEL, PREPARE_FAR_KERNEL: PREPARE_FAR_WGMMA_KERNEL}
 WGMMA_THREADS = 160
 WGMMA_STAGE_BYTES = 17408  # a workspace block + 16 v rows of 64 columns, padded by 16 B, to 1 KB
 WGMMA_STAGES = {1: 6, 2: 4}  # CTAs an SM -> stages (at three, a step waited ~190 cycles: run 108)

@@ -54,20 +54,26 @@ BLOCKS_OVERRIDE: str | None = None
 # The segment split's two transition runs in one K2 launch where K2 is the wgmma one
 # (kda.cuda.forward.runs_kind; KDA_CUDA_PAIRED_RUNS=0: a launch a run).
 PAIRED_RUNS = True
+# The wgmma K2 also for the gates K1's far entry point serves (a precomputed g, lb < -5.025),
+# through its twin kda_prepare_far_wgmma (KDA_CUDA_FAR_WGMMA=1; off until a GPU has run its tests
+# and timed it: built 2026-12-05 on a CPU machine, benchmarks/NOTES.md).
+FAR_WGMMA = False
 
 
 def read_switches() -> None:
     """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``,
-    ``KDA_CUDA_STATE_PRODUCTS`` and ``KDA_CUDA_PAIRED_RUNS`` from the environment: once, at import, as an environment
-    read costs 0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``)
-    against a host budget of 40 us a call. Call it again after changing any in-process."""
-    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, PAIRED_RUNS
+    ``KDA_CUDA_STATE_PRODUCTS``, ``KDA_CUDA_PAIRED_RUNS`` and ``KDA_CUDA_FAR_WGMMA`` from the
+    environment: once, at import, as an environment read costs 0.6-0.7 us (an unset name raises
+    and catches a KeyError inside ``os.environ``) against a host budget of 40 us a call. Call it
+    again after changing any in-process."""
+    global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, PAIRED_RUNS, FAR_WGMMA
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
     PAIRED_RUNS = os.environ.get("KDA_CUDA_PAIRED_RUNS") != "0"
+    FAR_WGMMA = os.environ.get("KDA_CUDA_FAR_WGMMA") == "1"
 
 
 read_switches()

@@ -77,8 +77,9 @@ def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = Fal
     not), or where its grid of two CTAs a (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of
     the SMs; one CTA an SM up to one wave and two beyond (an explicit mma.sync width, or ``mma``,
     keeps the mma.sync K2). ``p`` is the whole call's problem or a time block of it: the same
-    answer for both (a block differs in its length only)."""
-    if checkpoints or prepare_kernel(p) != abi.PREPARE_KERNEL:
+    answer for both (a block differs in its length only). With ``KDA_CUDA_FAR_WGMMA=1`` the far
+    entry point's gates take it too, through that entry point's twin (:func:`_launch`)."""
+    if checkpoints or (prepare_kernel(p) != abi.PREPARE_KERNEL and not switches.FAR_WGMMA):
         return 0
     override = switches.WARPS_OVERRIDE
     if override is not None:
@@ -623,8 +624,9 @@ def _launch(
     sms = sm_count(device_index)
     if wgmma_ctas is None:
         wgmma_ctas = recurrence_kind(p, sms, checkpoints is not None)
-    if wgmma_ctas:  # K1 stores its tiles for the wgmma K2 (one decision for both: the same p)
-        prepare_name, (name, shared_bytes) = abi.PREPARE_WGMMA_KERNEL, loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
+    if wgmma_ctas:  # K1's twin stores its tiles for the wgmma K2 (one decision for both: the same p)
+        prepare_name = abi.PREPARE_WGMMA_TWINS[prepare_kernel(p)]
+        name, shared_bytes = loader.RECURRENCE_WGMMA_KERNELS[wgmma_ctas]
         grid, threads = (wgmma_grid(N * H), 1), abi.WGMMA_THREADS
     else:
         warps, ksplit = recurrence_width(N * H, sms)

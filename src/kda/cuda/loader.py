@@ -230,7 +230,13 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (abi.PREPARE_KERNEL, abi.PREPARE_FAR_KERNEL, abi.PREPARE_WGMMA_KERNEL, abi.TABLES_KERNEL),
+            "prepare.fatbin": (
+                abi.PREPARE_KERNEL,
+                abi.PREPARE_FAR_KERNEL,
+                abi.PREPARE_WGMMA_KERNEL,
+                abi.PREPARE_FAR_WGMMA_KERNEL,
+                abi.TABLES_KERNEL,
+            ),
             "recurrence.fatbin": tuple(name for name, _ in SIZED_KERNELS),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }

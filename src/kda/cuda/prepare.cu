@@ -797,6 +797,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far(const 
 extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(const Params p) {
   prepare_chunk<false, true, true>(p);
 }
+// kda_prepare_far with its tiles in the wgmma K2's layout (abi.PREPARE_FAR_WGMMA_KERNEL,
+// 2026-12-05): the far entry point's arithmetic (the pairwise rows included, which write A and M,
+// not the tiles) and the wgmma twin's store addresses and ldmatrix fragments, so that the gates
+// it serves (a precomputed g, as Kimi-Linear-48B's serving code passes it; lb < -5.025) can take
+// the wgmma K2 too. Taken only under KDA_CUDA_FAR_WGMMA=1 until a GPU has checked and timed it.
+extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far_wgmma(const Params p) {
+  prepare_chunk<true, true, true>(p);
+}
 
 }  // namespace kda
 
