@@ -31,8 +31,15 @@ ANCHOR_CASES = [
     {"name": "16x2048 H16", "batch": 16, "T": 2048, "H": 16},
     # Kimi-Linear-48B as vLLM and the HF modeling code call it (shared/design/anchors.md): its
     # unbounded softplus gate computed outside the kernel (make_inputs' "precomputed"), which
-    # FlashKDA cannot serve and kda's CUDA path takes through K1's far entry point
-    {"name": "1x8192 H32 precomputed gate", "seq_lens": [8192], "H": 32, "gate": "precomputed"},
+    # FlashKDA cannot serve and kda's CUDA path takes through K1's far entry point; a prefill
+    # batch of varlen6's lengths at its 32 heads, whose 192 (sequence, head) pairs fill the SMs
+    # (the wgmma K2 under KDA_CUDA_FAR_WGMMA=1, the mma.sync one without)
+    {
+        "name": "varlen6 H32 precomputed gate",
+        "seq_lens": [1300, 547, 2048, 963, 271, 3063],
+        "H": 32,
+        "gate": "precomputed",
+    },
 ]
 # FlashKDA / fla ratios measured on the same kind of H200 (shared/anchors/h200-2026-11-30.json).
 FLASH_KDA_RATIO = {
