@@ -697,6 +697,7 @@ def test_gpu_wgmma_recurrence_runs_by_the_rule(cuda_on, switches):
     from kda.cuda.forward import WGMMA_MIN_FILL, sm_count
 
     switches("KDA_CUDA_WARPS", None)
+    switches("KDA_CUDA_FAR_WGMMA", None)  # (lb = -8 below: the far entry point, kept off the wgmma K2)
     sms = sm_count(torch.cuda.current_device())
     for H, lower_bound, want in ((sms // 2, -5.0, "cuda:recurrence:wgmma1"), (sms, -5.0, "cuda:recurrence:wgmma2"),
                                  (int(WGMMA_MIN_FILL * sms) // 2 - 1, -5.0, None), (sms, -8.0, None)):  # fmt: skip

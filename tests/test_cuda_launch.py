@@ -347,12 +347,12 @@ class FakeStream:
 
 
 @pytest.mark.parametrize(
-    "state_dtype, warps, lower_bound",
-    [(torch.float32, None, -5.0), (torch.bfloat16, None, -5.0), (torch.float32, "mma", -5.0),
-     (torch.float32, None, -8.0)],
+    "state_dtype, warps, lower_bound, far_wgmma",
+    [(torch.float32, None, -5.0, False), (torch.bfloat16, None, -5.0, False), (torch.float32, "mma", -5.0, False),
+     (torch.float32, None, -8.0, False), (torch.float32, None, -8.0, True), (torch.float32, "mma", -8.0, True)],
 )  # fmt: skip
 def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
-    load_kernels, monkeypatch, state_dtype, warps, lower_bound
+    load_kernels, monkeypatch, state_dtype, warps, lower_bound, far_wgmma
 ):
     """KDA_CUDA_BLOCKS=3 on 100 tokens: blocks of 48, 48 and 4 tokens. K1 of every block on the
     current stream, an event after each; then for each block the recurrence stream waits for its
@@ -362,12 +362,14 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     caller's final state for the last). Every block's K2 is the wgmma one at one CTA an SM
     (forward.recurrence_kind's ``blocked``) after K1's twin that stores its tiles for it, although
     two CTAs a pair would not fill the GPU here; KDA_CUDA_WARPS=mma or a gate past kda_prepare's
-    (lb < -5.025) keep the mma.sync K2."""
+    (lb < -5.025) keep the mma.sync K2, the latter unless KDA_CUDA_FAR_WGMMA=1 (then K1's far
+    entry point's twin)."""
     libcuda, kernels = fake_device(load_kernels, monkeypatch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(kda.cuda, "BLOCKS_OVERRIDE", "3")
     monkeypatch.setattr(kda.cuda, "WARPS_OVERRIDE", warps)
-    wgmma = warps is None and lower_bound >= -5.0
+    monkeypatch.setattr(kda.cuda, "FAR_WGMMA", far_wgmma)
+    wgmma = warps is None and (lower_bound >= -5.0 or far_wgmma)
     log = []
     streams = lambda index, stream, kernels: (FakeStream(stream, log, libcuda), FakeStream(0x6000, log, libcuda))  # noqa: E731
     monkeypatch.setattr(forward, "stream_pair", streams)
@@ -385,7 +387,10 @@ def test_time_blocks_launch_k1_on_the_stream_and_k2_beside_it_in_order(
     assert events == ["cuda:blocks:3", *["cuda:prepare"] * 3, *k2_events * 3], events
     assert log == [("wait", 0x6000, 0x5000, 1, 3), ("wait", 0x6000, 0x5000, 2, 4), ("wait", 0x6000, 0x5000, 3, 5),
                    ("wait", 0x5000, 0x6000, 6, 6)]  # fmt: skip
-    k1_name = abi.PREPARE_WGMMA_KERNEL if wgmma else forward.prepare_kernel(p)
+    k1_name = abi.PREPARE_WGMMA_TWINS[forward.prepare_kernel(p)] if wgmma else forward.prepare_kernel(p)
+    assert k1_name == {(False, False): abi.PREPARE_KERNEL, (False, True): abi.PREPARE_WGMMA_KERNEL,
+                       (True, False): abi.PREPARE_FAR_KERNEL, (True, True): abi.PREPARE_FAR_WGMMA_KERNEL}[
+                           lower_bound < -5.0, wgmma]  # fmt: skip
     prepare = int(kernels.kernels[k1_name])
     names = {int(handle): name for name, handle in kernels.kernels.items()}
     for k2_args, _ in libcuda.calls[3:]:

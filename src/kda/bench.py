@@ -65,11 +65,11 @@ def kimi_gate_params(H: int, gen: torch.Generator, device) -> tuple[torch.Tensor
 def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple, dict]:
     """Random bf16 inputs of ``case`` (seq_lens or batch x T, H; gate "lower_bound", the default,
     "softplus", the gate of Kimi Linear and of fla's chunk_kda without safe_gate, or "precomputed":
-    that gate and beta's sigmoid applied outside the kernel, g in float32, as Kimi-Linear-48B's
-    serving code passes them, with kimi_gate_params: a channel's log-decay a token is then about
-    1e-3, 7e-2 and 3 at its 1st, 50th and 99th percentiles, and no chunk of a 2048-token CPU draw
-    passes K1's factored range, so what the case times of that gate on the CUDA path is its far
-    entry point's fixed cost and the mma.sync K2)."""
+    that gate and beta's sigmoid applied outside the kernel by :func:`gate_outside`, with
+X
+    (1st to 99th percentile on CPU draws of seeds 0-3), and a few (chunk, head) pairs of a call pass
+    K1's factored range, whose rows take the pairwise form: the case times mostly the far entry
+    point's fixed cost)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H = case["H"]
     if "seq_lens" in case:
@@ -110,25 +110,25 @@ def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple,
 
 def gate_outside(tensors: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The same call with its in-kernel softplus gate and beta sigmoid applied before it (the
-    reference's own functions): g in float32, beta in the inputs' dtype, as Kimi-Linear's serving
-    code passes them."""
+    reference's own functions): g and beta in float32, as vLLM's Kimi-Linear layer passes them
+    (``fused_kda_gate``'s g; ``b_proj(x).float().sigmoid()``)."""
     q, k, v, g, beta = tensors
     _, _, g, beta = reference.activate_inputs(
         q, k, g.float(), beta.float(), use_gate=True, use_beta_sigmoid=True, A_log=kwargs["A_log"],
         dt_bias=kwargs["dt_bias"].view(g.shape[-2], -1),
     )  # fmt: skip
     rest = {name: x for name, x in kwargs.items() if name not in ("A_log", "dt_bias")}
-    return (q, k, v, g, beta.to(q.dtype)), dict(rest, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    return (q, k, v, g, beta), dict(rest, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
 
 
 def floor_bytes(case: dict) -> int:
-    """Bytes that must move: q, k, v, g (bf16; float32 in the precomputed-gate case), beta read
-    once, o written once, states read and written (fp32)."""
+    """Bytes that must move: q, k, v, g, beta read once (bf16; g and beta float32 in the
+    precomputed-gate case), o written once, states read and written (fp32)."""
     H = case["H"]
     T = sum(case["seq_lens"]) if "seq_lens" in case else case["batch"] * case["T"]
     N = len(case["seq_lens"]) if "seq_lens" in case else case["batch"]
-    g_bytes = 4 if case.get("gate") == "precomputed" else 2
-    return T * H * (4 * D * 2 + D * g_bytes + 2) + 2 * N * H * D * D * 4
+    gate_bytes = 4 if case.get("gate") == "precomputed" else 2  # of g and beta
+    return T * H * (4 * D * 2 + (D + 1) * gate_bytes) + 2 * N * H * D * D * 4
 
 
 def measure_copy_tbps() -> float:
@@ -428,8 +428,8 @@ def main(args) -> int:
         ),
         "inputs": (
             "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]; "
-            "the precomputed-gate case: float32 g = -exp(A_log) softplus(g_raw), A_log = log U(1, 16), and beta's "
-            "sigmoid applied outside (Kimi-Linear-48B's serving form)"
+            "the precomputed-gate case: float32 g = -exp(A_log) softplus(g_raw + dt_bias), A_log = log U(1, 16), and "
+            "float32 beta = sigmoid(b) applied outside (Kimi-Linear-48B's serving form)"
         ),
         "accuracy_vs_fp64": accuracy_rows(calls),
         "host_overhead_tiny_call": host_overhead(calls),
