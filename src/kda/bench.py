@@ -66,7 +66,7 @@ def make_inputs(case: dict, device: str = "cuda", seed: int = 0) -> tuple[tuple,
     """Random bf16 inputs of ``case`` (seq_lens or batch x T, H; gate "lower_bound", the default,
     "softplus", the gate of Kimi Linear and of fla's chunk_kda without safe_gate, or "precomputed":
     that gate and beta's sigmoid applied outside the kernel by :func:`gate_outside`, with
-X
+    :func:`kimi_gate_params`' parameters. A channel's log-decay a token then spans about 1e-3 to 3.6
     (1st to 99th percentile on CPU draws of seeds 0-3), and a few (chunk, head) pairs of a call pass
     K1's factored range, whose rows take the pairwise form: the case times mostly the far entry
     point's fixed cost)."""
