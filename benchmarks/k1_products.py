@@ -20,11 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import pair_rounding as pr  # noqa: E402
 from pair_rounding import tf32  # noqa: E402
 
-from helpers import make_case  # noqa: E402
 from kda import reference  # noqa: E402
 from kda.reference import relative_rms  # noqa: E402
 
@@ -85,27 +83,6 @@ def inverse_beta_error(q, k, v, g, beta, scale, A_form) -> float:
     return relative_rms(torch.cat(got).double(), torch.cat(want).double())
 
 
-def problem(gate: str, spread: float | None, negative: bool, lowered: float, seed: int = 7):
-    """The activated float32 inputs of one sequence and the float64 chunk form's o and state."""
-    case = make_case(B=1, T=T, H=pr.HV, HV=pr.HV, K=pr.K, V=pr.V, dtype=torch.bfloat16, gate=gate, seed=seed,
-                     steep_steps=8 if gate == "precomputed" else 0)  # fmt: skip
-    if spread is not None:  # every key a shared direction (per head) plus noise of this size
-        gen = torch.Generator().manual_seed(seed + 1)
-        base = torch.randn(1, 1, pr.HV, pr.K, generator=gen)
-        case.k = (base + spread * torch.randn(case.k.shape, generator=gen)).to(torch.bfloat16)
-    case.g = case.g - lowered
-    c64 = case.to(torch.float64, "cpu")
-    in_kernel = gate != "precomputed"
-    q, k, g, beta = reference.activate_inputs(
-        c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=in_kernel, use_beta_sigmoid=True,
-        allow_neg_eigval=negative, A_log=c64.A_log, lower_bound=-5.0 if in_kernel else None,
-        dt_bias=None if c64.dt_bias is None else c64.dt_bias.view(pr.HV, -1),
-    )  # fmt: skip
-    scale = pr.K**-0.5
-    o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
-    return [x[0].float() for x in (q, k, c64.v, g, beta)], scale, o64[0], s64[0]
-
-
 PROBLEMS = [  # (gate, key spread, negative eigenvalues, gate lowered by)
     ("lower_bound", None, False, 0.0),
     ("lower_bound", None, False, 6.0),
@@ -133,7 +110,7 @@ if __name__ == "__main__":
     )
     print("|---|---|---|---:|" + "---|" * (len(FORMS) + 1))
     for gate, spread, negative, lowered in PROBLEMS:
-        inputs, scale, o64, s64 = problem(gate, spread, negative, lowered)
+        inputs, scale, o64, s64 = pr.problem(gate, spread, negative, lowered, seed=7, length=T)
         cells = []
         for _, A_form, w_form in FORMS:
             o, s = run(*inputs, scale, A_form, w_form)

@@ -88,22 +88,37 @@ def run(q, k, v, g, beta, scale, pairs: bool, coupling_round=bf16):
     return o, S
 
 
+def problem(gate: str = "lower_bound", spread: float | None = None, negative: bool = False, lowered: float = 0.0,
+            seed: int = 5, length: int = T):  # fmt: skip
+    """``(inputs, scale, o64, s64)``: the activated float32 inputs ``(q, k, v, g, beta)`` of one
+    sequence ``[length, HV, ...]`` of bf16 draws and the float64 chunk form's o and final state on
+    them. ``gate``: the lower-bound gate in the kernel, or "precomputed" (with steep steps);
+    ``spread``: every key a shared direction (per head) plus noise of this size; ``negative``:
+    beta in (0, 2); ``lowered``: the raw gate lowered by this much (a long memory)."""
+    case = make_case(B=1, T=length, H=HV, HV=HV, K=K, V=V, dtype=torch.bfloat16, gate=gate, seed=seed,
+                     steep_steps=8 if gate == "precomputed" else 0)  # fmt: skip
+    if spread is not None:
+        gen = torch.Generator().manual_seed(seed + 1)
+        base = torch.randn(1, 1, HV, K, generator=gen)
+        case.k = (base + spread * torch.randn(case.k.shape, generator=gen)).to(torch.bfloat16)
+    case.g = case.g - lowered
+    c64 = case.to(torch.float64, "cpu")
+    in_kernel = gate != "precomputed"
+    q, k, g, beta = reference.activate_inputs(
+        c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=in_kernel, use_beta_sigmoid=True,
+        allow_neg_eigval=negative, A_log=c64.A_log, lower_bound=-5.0 if in_kernel else None,
+        dt_bias=None if c64.dt_bias is None else c64.dt_bias.view(HV, -1),
+    )  # fmt: skip
+    scale = K**-0.5
+    o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
+    return [x[0].float() for x in (q, k, c64.v, g, beta)], scale, o64[0], s64[0]
+
+
 def problems():
-    """``(lowered, inputs, scale, o64, s64)`` for the bench gate and the same lowered by 6: the
-    activated float32 inputs ``(q, k, v, g, beta)`` of one sequence ``[T, HV, ...]`` and the float64
-    chunk form's o and final state on them."""
+    """``(lowered, inputs, scale, o64, s64)`` for the bench gate and the same lowered by 6
+    (:func:`problem`'s)."""
     for lowered in (0.0, 6.0):
-        case = make_case(B=1, T=T, H=HV, HV=HV, K=K, V=V, dtype=torch.bfloat16, gate="lower_bound", seed=5)
-        case.g = case.g - lowered
-        c64 = case.to(torch.float64, "cpu")
-        dt_bias = None if c64.dt_bias is None else c64.dt_bias.view(HV, -1)
-        q, k, g, beta = reference.activate_inputs(
-            c64.q, c64.k, c64.g, c64.beta, use_qk_l2norm=True, use_gate=True, use_beta_sigmoid=True,
-            A_log=c64.A_log, dt_bias=dt_bias, lower_bound=-5.0,
-        )  # fmt: skip
-        scale = K**-0.5
-        o64, s64 = reference.chunk16_kda(q, k, c64.v, g, beta, scale=scale, output_final_state=True)
-        yield lowered, [x[0].float() for x in (q, k, c64.v, g, beta)], scale, o64[0], s64[0]
+        yield lowered, *problem(lowered=lowered)
 
 
 if __name__ == "__main__":
