@@ -692,15 +692,17 @@ def test_gpu_a_workspace_off_its_alignment_is_refused(cuda_on):
 @cuda_ready
 def test_gpu_wgmma_recurrence_runs_by_the_rule(cuda_on, switches):
     """Where two CTAs a (sequence, head) pair fill the SMs the call takes the wgmma K2 (the
-    dispatch log says so, after the launch), as float64 says it should; with too few heads, a
-    steep lower bound (K1's far entry point) or KDA_CUDA_WARPS=mma it does not."""
+    dispatch log says so, after the launch), as float64 says it should, a steep lower bound (K1's
+    far entry point, through its twin) too; with too few heads, KDA_CUDA_WARPS=mma, or the steep
+    bound under KDA_CUDA_FAR_WGMMA=0 it does not."""
     from kda.cuda.forward import WGMMA_MIN_FILL, sm_count
 
     switches("KDA_CUDA_WARPS", None)
-    switches("KDA_CUDA_FAR_WGMMA", None)  # (lb = -8 below: the far entry point, kept off the wgmma K2)
+    switches("KDA_CUDA_FAR_WGMMA", None)  # (the default: lb = -8 below takes the far entry point's twin)
     sms = sm_count(torch.cuda.current_device())
     for H, lower_bound, want in ((sms // 2, -5.0, "cuda:recurrence:wgmma1"), (sms, -5.0, "cuda:recurrence:wgmma2"),
-                                 (int(WGMMA_MIN_FILL * sms) // 2 - 1, -5.0, None), (sms, -8.0, None)):  # fmt: skip
+                                 (int(WGMMA_MIN_FILL * sms) // 2 - 1, -5.0, None),
+                                 (sms, -8.0, "cuda:recurrence:wgmma2")):  # fmt: skip
         case = cuda_case([40], H, True, "lower_bound", False, True, seed=44)
         kw = case.kwargs(lower_bound=lower_bound, safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN)
         with kda.record_dispatch() as events:
@@ -712,6 +714,11 @@ def test_gpu_wgmma_recurrence_runs_by_the_rule(cuda_on, switches):
                                       safe_gate=lower_bound >= abi.SAFE_LOWER_BOUND_MIN))  # fmt: skip
         assert_close_fp64(o, o_ref, 5e-3, "o")
         assert_close_fp64(ht, ht_ref, 5e-3, "state")
+    switches("KDA_CUDA_FAR_WGMMA", "0")
+    case = cuda_case([40], sms, True, "lower_bound", False, True, seed=46)
+    with kda.record_dispatch() as events:
+        kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs(lower_bound=-8.0, safe_gate=False))
+    assert not [e for e in events if e.startswith("cuda:recurrence:")], events
     switches("KDA_CUDA_WARPS", "mma")
     case = cuda_case([40], sms, True, "lower_bound", False, True, seed=45)
     with kda.record_dispatch() as events:

@@ -206,6 +206,22 @@ def test_forward_and_backward_launch_the_prepare_entry_point_the_gate_needs(
     assert want not in (launched[1], launched[3])
 
 
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
+def test_far_entry_points_twin_is_on_unless_the_switch_says_0(monkeypatch, value, on):
+    """KDA_CUDA_FAR_WGMMA as read_switches reads it: on when unset (the default since run 168,
+    2026-12-05) or 1, off at 0 (the switch's routing: the test below)."""
+    if value is None:
+        monkeypatch.delenv("KDA_CUDA_FAR_WGMMA", raising=False)
+    else:
+        monkeypatch.setenv("KDA_CUDA_FAR_WGMMA", value)
+    try:
+        kda.cuda.read_switches()
+        assert kda.cuda.FAR_WGMMA is on
+    finally:
+        monkeypatch.undo()
+        kda.cuda.read_switches()
+
+
 @pytest.mark.parametrize(
     "H, lower_bound, checkpoints, override, far_wgmma, want",
     [(64, -5.0, False, None, False, 1), (96, -5.0, False, None, False, 2), (600, -5.0, False, None, False, 2),

@@ -33,7 +33,7 @@ ANCHOR_CASES = [
     # unbounded softplus gate computed outside the kernel (make_inputs' "precomputed"), which
     # FlashKDA cannot serve and kda's CUDA path takes through K1's far entry point; a prefill
     # batch of varlen6's lengths at its 32 heads, whose 192 (sequence, head) pairs fill the SMs
-    # (the wgmma K2 under KDA_CUDA_FAR_WGMMA=1, the mma.sync one without)
+    # (the wgmma K2 through that entry point's twin; the mma.sync one under KDA_CUDA_FAR_WGMMA=0)
     {
         "name": "varlen6 H32 precomputed gate",
         "seq_lens": [1300, 547, 2048, 963, 271, 3063],

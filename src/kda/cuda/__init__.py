@@ -55,9 +55,10 @@ BLOCKS_OVERRIDE: str | None = None
 # (kda.cuda.forward.runs_kind; KDA_CUDA_PAIRED_RUNS=0: a launch a run).
 PAIRED_RUNS = True
 # The wgmma K2 also for the gates K1's far entry point serves (a precomputed g, lb < -5.025),
-# through its twin kda_prepare_far_wgmma (KDA_CUDA_FAR_WGMMA=1; off until a GPU has run its tests
-# and timed it: built 2026-12-05 on a CPU machine, benchmarks/NOTES.md).
-FAR_WGMMA = False
+# through its twin kda_prepare_far_wgmma (KDA_CUDA_FAR_WGMMA=0: the mma.sync K2 for them). On an
+# H100 (2026-12-05, run 168) the released model's serving form, `kda bench` case 7, took 0.363 ms
+# against 0.392 with the mma.sync K2 (fla 0.6.0: 1.454), and the CUDA tests passed with it.
+FAR_WGMMA = True
 
 
 def read_switches() -> None:
@@ -73,7 +74,7 @@ def read_switches() -> None:
     BACKWARD_CHAIN = os.environ.get("KDA_CUDA_BACKWARD_CHAIN") != "0"
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
     PAIRED_RUNS = os.environ.get("KDA_CUDA_PAIRED_RUNS") != "0"
-    FAR_WGMMA = os.environ.get("KDA_CUDA_FAR_WGMMA") == "1"
+    FAR_WGMMA = os.environ.get("KDA_CUDA_FAR_WGMMA") != "0"
 
 
 read_switches()

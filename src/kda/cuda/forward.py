@@ -77,8 +77,8 @@ def recurrence_kind(p: Problem, sms: int, checkpoints: bool, blocked: bool = Fal
     not), or where its grid of two CTAs a (sequence, head) pair fills :data:`WGMMA_MIN_FILL` of
     the SMs; one CTA an SM up to one wave and two beyond (an explicit mma.sync width, or ``mma``,
     keeps the mma.sync K2). ``p`` is the whole call's problem or a time block of it: the same
-    answer for both (a block differs in its length only). With ``KDA_CUDA_FAR_WGMMA=1`` the far
-    entry point's gates take it too, through that entry point's twin (:func:`_launch`)."""
+    answer for both (a block differs in its length only). The far entry point's gates take it
+    too, through that entry point's twin (:func:`_launch`), unless ``KDA_CUDA_FAR_WGMMA=0``."""
     if checkpoints or (prepare_kernel(p) != abi.PREPARE_KERNEL and not switches.FAR_WGMMA):
         return 0
     override = switches.WARPS_OVERRIDE

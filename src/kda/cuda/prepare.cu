@@ -801,7 +801,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 6) kda_prepare_wgmma(cons
 // 2026-12-05): the far entry point's arithmetic (the pairwise rows included, which write A and M,
 // not the tiles) and the wgmma twin's store addresses and ldmatrix fragments, so that the gates
 // it serves (a precomputed g, as Kimi-Linear-48B's serving code passes it; lb < -5.025) can take
-// the wgmma K2 too. Taken only under KDA_CUDA_FAR_WGMMA=1 until a GPU has checked and timed it.
+// the wgmma K2 too. Taken by default since run 168 (H100, 2026-12-05: the CUDA tests passed, and
+// `kda bench` case 7 went from 0.392 to 0.363 ms); KDA_CUDA_FAR_WGMMA=0 keeps kda_prepare_far.
 extern "C" __global__ void __launch_bounds__(kThreads, 5) kda_prepare_far_wgmma(const Params p) {
   prepare_chunk<true, true, true>(p);
 }
