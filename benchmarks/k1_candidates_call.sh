@@ -17,7 +17,8 @@ builds=("" -wtf32 -so -atf32 -aw -all3)
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 if [[ $card == *H200* ]]; then
-  ab=".kernels:auto .kernels:auto:KDA_CUDA_FAR_WGMMA=1"
+  # (the far twin is the default since 64dcbef: the second column is the mma.sync K2 for the far gates)
+  ab=".kernels:auto .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
   for b in "${builds[@]:1}"; do ab+=" .kernels$b:auto"; done
   timeout ${AB_TIMEOUT:-540} env AB_LONG_CASES=1,3 WIDTH_AB="$ab" WIDTH_AB_ROUNDS=2 OUT=$OUT \
     bash benchmarks/gpu_session.sh widthab 2>&1 | tail -40
