@@ -46,3 +46,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# (here, not in test_cuda.py: test_cuda_launch.py sets switches too)
+@pytest.fixture
+def switches(monkeypatch):
+    """Set or clear the backend's environment switches and re-read them (they are read at
+    import); the switches of the environment are read back afterwards."""
+    import kda.cuda
+
+    def switch(name, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        kda.cuda.read_switches()
+
+    yield switch
+    monkeypatch.undo()
+    kda.cuda.read_switches()

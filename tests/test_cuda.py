@@ -310,23 +310,6 @@ def test_longest_sequences_are_scheduled_first():
     assert chunk_tables(p).seq_order.tolist() == [2, 3, 6, 7, 0, 1, 4, 5]
 
 
-@pytest.fixture
-def switches(monkeypatch):
-    """Set or clear the backend's environment switches and re-read them (they are read at
-    import); the switches of the environment are read back afterwards."""
-
-    def switch(name, value):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-        kda.cuda.read_switches()
-
-    yield switch
-    monkeypatch.undo()
-    kda.cuda.read_switches()
-
-
 def test_recurrence_width_follows_the_pair_count_unless_overridden(switches):
     switches("KDA_CUDA_WARPS", None)
     assert recurrence_width(pairs=32, sms=132) == (2, 2)

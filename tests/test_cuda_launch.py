@@ -207,19 +207,11 @@ def test_forward_and_backward_launch_the_prepare_entry_point_the_gate_needs(
 
 
 @pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False)])
-def test_far_entry_points_twin_is_on_unless_the_switch_says_0(monkeypatch, value, on):
+def test_far_entry_points_twin_is_on_unless_the_switch_says_0(switches, value, on):
     """KDA_CUDA_FAR_WGMMA as read_switches reads it: on when unset (the default since run 168,
     2026-12-05) or 1, off at 0 (the switch's routing: the test below)."""
-    if value is None:
-        monkeypatch.delenv("KDA_CUDA_FAR_WGMMA", raising=False)
-    else:
-        monkeypatch.setenv("KDA_CUDA_FAR_WGMMA", value)
-    try:
-        kda.cuda.read_switches()
-        assert kda.cuda.FAR_WGMMA is on
-    finally:
-        monkeypatch.undo()
-        kda.cuda.read_switches()
+    switches("KDA_CUDA_FAR_WGMMA", value)
+    assert kda.cuda.FAR_WGMMA is on
 
 
 @pytest.mark.parametrize(

@@ -230,13 +230,8 @@ class Kernels:
         self.libraries = []
         self.kernels = {}
         entry_points = {
-            "prepare.fatbin": (
-                abi.PREPARE_KERNEL,
-                abi.PREPARE_FAR_KERNEL,
-                abi.PREPARE_WGMMA_KERNEL,
-                abi.PREPARE_FAR_WGMMA_KERNEL,
-                abi.TABLES_KERNEL,
-            ),
+            # K1's entry points and their wgmma twins, and the tables kernel
+            "prepare.fatbin": (*abi.PREPARE_WGMMA_TWINS, *abi.PREPARE_WGMMA_TWINS.values(), abi.TABLES_KERNEL),
             "recurrence.fatbin": tuple(name for name, _ in SIZED_KERNELS),
             "decode.fatbin": tuple(DECODE_KERNELS.values()),
         }
