@@ -218,12 +218,16 @@ if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_rec
 fi
 # Builds A/B'd in alternating processes, two rounds: ab_rounds NAME "DIRS" SCRIPT [ARGS]; each process prints a JSON
 # line to $OUT/NAME.jsonl, and SCRIPT --summary reads them back as a table.
+# Each of the dirs may carry a setting for its process, DIR:NAME=VALUE (e.g.
+# .kernels:KDA_CUDA_DECODE_GRID=resident), and is the label of its lines.
 ab_rounds() {
-  local name=$1 dirs=$2 script=$3
+  local name=$1 dirs=$2 script=$3 spec dir setting
   shift 3
   for round in 1 2; do
-    for dir in $dirs; do
-      KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 "$script" "$dir" "$@" >> "$OUT/$name.jsonl" 2>> "$OUT/$name.log"
+    for spec in $dirs; do
+      IFS=: read -r dir setting <<< "$spec"
+      env ${setting:+"$setting"} KDA_CUDA_KERNELS_DIR=$PWD/$dir timeout 150 python3 "$script" "$spec" "$@" \
+        >> "$OUT/$name.jsonl" 2>> "$OUT/$name.log"
     done
   done
   # the table also into the logs (runs 137-139 kept it only in the console)
@@ -249,6 +253,6 @@ if [[ $step == *widthab* ]]; then
   unset KDA_CUDA_WARPS
   python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl" | tee "$OUT/width-ab-summary.log"
 fi
-if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var"
+if [[ $step == *decodeab* ]]; then  # decode.cu builds: DECODE_AB_DIRS=".kernels .kernels-var .kernels:NAME=VALUE"
   ab_rounds decode-ab "${DECODE_AB_DIRS:-.kernels}" benchmarks/decode_ab.py ${DECODE_AB_SIZES:-32 256 1024}
 fi

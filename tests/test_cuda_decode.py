@@ -209,3 +209,71 @@ def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone():
     for s in (1, 4):
         assert rel(pool[s], model[s]) <= STATE_BAR[torch.float32], s
     assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+
+
+@pytest.mark.parametrize("grid", ["1", "3", "resident"])
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize("form", ["1-D", "2-D", "varlen"])
+def test_gpu_walking_ctas_write_what_one_cta_an_item_writes(switches, grid, layout, form):
+    """CTAs that walk several items (KDA_CUDA_DECODE_GRID; bf16 whole heads walk,
+    abi.DECODE_WALKERS) give one CTA an item's outputs and pool bit for bit: each item's
+    arithmetic is the same, so any difference is a walk's fault (a stale look-ahead, a barrier
+    phase, the tile or s_vec reused early). 1-D indices with padding and slots past the pool;
+    2-D indices with accepted counts; varlen with sequences of no tokens. No two sequences share
+    a slot (their order would decide the pool). "resident" runs enough sequences that its CTAs,
+    as many as the GPU holds, walk too. Slots not named stay as they were; the walk's outputs
+    and named slots also against the float64 token loop."""
+    from kda.cuda import decode as cuda_decode
+    from kda.cuda import loader
+
+    N = 7 if grid != "resident" else 280  # 280 sequences x 4 heads: over 132 SMs x 5 CTAs
+    P = 2 * N + 3
+    perm = torch.randperm(P, generator=torch.Generator().manual_seed(44))
+    slots = torch.stack([perm[:N], perm[N : 2 * N]], 1)  # each sequence's own two slots
+    slots[1::7, 0], slots[3::7, 0], slots[5::7, 1] = -1, P + 2, -1  # padding, past the pool
+    lens = ([1, 0, 1, 1, 1, 0, 1] * (N // 7)) if form == "varlen" else None
+    case = decode_case(lens, B=N, T=1, HV=4, group=2, layout=layout, seed=42, with_state=False)
+    if form == "2-D":  # indices[n, 0] receives the state after the token; it starts from indices[n, accepted - 1]
+        idx, accepted = slots.cuda(), torch.tensor([1 + n % 2 for n in range(N)], device="cuda")
+    else:
+        idx, accepted = slots[:, 0].to(torch.int32).cuda(), None
+    before = pool_of(P, 4, layout, torch.bfloat16, seed=43)
+    runs = {}
+    for setting in (None, grid):
+        switches("KDA_CUDA_DECODE_GRID", setting)
+        pool = before.clone()
+        with kda.record_dispatch() as events:
+            o, _ = kda.fused_recurrent_kda(*case.tensors(), **recurrent_kwargs(case, initial_state=pool),
+                                           inplace_final_state=True, ssm_state_indices=idx,
+                                           num_accepted_tokens=accepted, backend="cuda")  # fmt: skip
+        torch.cuda.synchronize()
+        launches = [e for e in events if e.startswith("cuda:decode:ctas:")]
+        assert len(launches) == 1, events
+        runs[setting] = (o, pool, launches[0])
+    items = N * 4
+    _, _, walked = runs[grid]
+    if grid == "resident":
+        resident = cuda_decode.sm_count(0) * loader.kernels().resident_ctas(
+            abi.decode_kernel_name("bfloat16", layout, 128), abi.DECODE_THREADS, 0
+        )
+        assert resident < items, (resident, items)
+        assert walked == f"cuda:decode:ctas:{resident}:items:{items}"
+    else:
+        assert walked == f"cuda:decode:ctas:{grid}:items:{items}"
+    assert runs[None][2] == f"cuda:decode:ctas:{items}:items:{items}"
+    (o_one, pool_one, _), (o_walk, pool_walk, _) = runs[None], runs[grid]
+    assert torch.equal(o_walk, o_one), "outputs differ from one CTA an item"
+    assert torch.equal(pool_walk, pool_one), "pool differs from one CTA an item"
+    named = {int(s) for s in idx.flatten() if 0 <= s < P}
+    untouched = [s for s in range(P) if s not in named]
+    assert untouched and torch.equal(pool_walk[untouched], before[untouched]), "a slot not named changed"
+    if grid == "3":  # (the walk's values, against the torch backend's pool loop in float64)
+        c64 = case.to(torch.float64, "cpu")
+        model = before.double().cpu()
+        o_ref, _ = kda.fused_recurrent_kda(*c64.tensors(), **recurrent_kwargs(c64, initial_state=model),
+                                           inplace_final_state=True, ssm_state_indices=idx.cpu(),
+                                           num_accepted_tokens=None if accepted is None else accepted.cpu(),
+                                           backend="torch")  # fmt: skip
+        assert_close_fp64(o_walk, o_ref, O_BAR, "o")
+        for s in named:
+            assert rel(pool_walk[s].float(), model[s]) <= STATE_BAR[torch.bfloat16], s
