@@ -6,8 +6,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-timeout ${SUITE_TIMEOUT:-430} env BIGMEM=0 WORKERS=14 TEST_TIMEOUT=${TEST_TIMEOUT:-400} PER_TEST_TIMEOUT=300 OUT=$OUT \
+timeout ${SUITE_TIMEOUT:-400} env BIGMEM=0 WORKERS=14 TEST_TIMEOUT=${TEST_TIMEOUT:-400} PER_TEST_TIMEOUT=300 OUT=$OUT \
   bash benchmarks/gpu_session.sh tests 2>&1 | tail -25
-timeout ${AB_TIMEOUT:-150} env DECODE_AB_DIRS=".kernels-prewalk .kernels .kernels:KDA_CUDA_DECODE_GRID=resident" \
+timeout ${AB_TIMEOUT:-170} env DECODE_AB_DIRS=".kernels-prewalk .kernels .kernels:KDA_CUDA_DECODE_GRID=resident" \
   DECODE_AB_SIZES="32 256 1024" DECODE_AB_WIDTHS="bfloat16:128" OUT=$OUT bash benchmarks/gpu_session.sh decodeab 2>&1 | tail -20
 PYTHONPATH=src python3 benchmarks/decode_ab.py --summary "$OUT/decode-ab.jsonl"
