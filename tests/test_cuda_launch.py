@@ -997,39 +997,3 @@ def test_transition_runs_share_their_checked_inputs_on_the_cuda_path(monkeypatch
     first, second = problems
     assert second.q is first.q and second.A_log is first.A_log and second.dt_bias is first.dt_bias
     assert second.v is first.v and first.A_log.dtype == torch.float32
-
-
-@pytest.mark.parametrize("setting", [None, "items", "3", "resident", "0", "fewer"])
-def test_decode_grid_walks_only_where_the_setting_and_the_entry_point_say(load_kernels, monkeypatch, switches,
-                                                                          setting):  # fmt: skip
-    """KDA_CUDA_DECODE_GRID (kda.cuda.decode.decode_grid): a bf16 pool of whole heads, a walking
-    entry point (abi.DECODE_WALKERS), is launched with one CTA an item unless the setting asks for
-    a count or the resident CTAs (SMs times the occupancy calculator's CTAs an SM); a float32 pool
-    (64 columns, not a walker) always one an item. The grid is in the dispatch log; a setting that
-    is neither is refused, naming the variable."""
-    from kda.cuda import decode as cuda_decode
-    from kda.validation import check_pool
-
-    libcuda, kernels = fake_device(load_kernels, monkeypatch, loader.DecodeParams)
-    monkeypatch.setattr(cuda_decode, "sm_count", lambda device_index: 2)
-    monkeypatch.setattr(kernels, "resident_ctas", lambda name, threads, device_index: 5)
-    switches("KDA_CUDA_DECODE_GRID", setting)
-    case = make_case(B=12, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=7)
-    kw = case.kwargs()
-    kw.pop("safe_gate")
-    idx = torch.arange(12, dtype=torch.int32)
-    pairs = 12 * 4  # (sequence, value head) pairs: one item each at 128 columns, two at 64
-    for dtype, walks, items in ((torch.bfloat16, True, pairs), (torch.float32, False, 2 * pairs)):
-        p = check_pool(checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw),
-                       torch.zeros(12, 4, 128, 128, dtype=dtype), idx, None)  # fmt: skip
-        libcuda.calls.clear()
-        if setting in ("0", "fewer"):
-            with pytest.raises(ValueError, match="KDA_CUDA_DECODE_GRID"):
-                cuda_decode.decode(p)
-            continue
-        with kda.record_dispatch() as events:
-            cuda_decode.decode(p)
-        want = {None: items, "items": items, "3": 3, "resident": 2 * 5}[setting] if walks else items
-        ((args, _),) = libcuda.calls
-        assert args[1] == want, (dtype, setting, args[1:3])
-        assert f"cuda:decode:ctas:{want}:items:{items}" in events, events

@@ -160,11 +160,6 @@ DECODE_THREADS = 128  # threads of a decode CTA (one per K index in the token pr
 # it stages in shared memory, BV x 128 x (4 or 2) bytes (128: the whole head).
 DECODE_COLUMNS = (32, 64, 128)
 DECODE_STATE_DTYPES = ("float32", "bfloat16")
-# The decode entry points whose CTAs can walk several items (decode.cu decode_slices), as
-# (state dtype, V first, columns): a grid of fewer CTAs than items (kda.cuda.decode.decode_grid)
-# is launched only for these. The others run one item a CTA: with the walk's loop ptxas spilled
-# 8 to 112 B in four of them at their CTAs an SM (nvcc 13.0, 2026-12-06), none in these two.
-DECODE_WALKERS = (("bfloat16", False, 128), ("bfloat16", True, 128))
 
 
 def decode_kernel_name(state_dtype: str, v_first: bool, columns: int) -> str:
@@ -335,14 +330,6 @@ def header() -> str:
         "",
         *_block_struct("DecodeParams", DECODE_PARAMS),
         f"constexpr int kDecodeThreads = {DECODE_THREADS};",
-        "constexpr bool decode_walks(bool bfloat16, bool v_first, int columns) {",
-        "  return "
-        + " || ".join(
-            f"(bfloat16 == {str(d == 'bfloat16').lower()} && v_first == {str(v).lower()} && columns == {c})"
-            for d, v, c in DECODE_WALKERS
-        )
-        + ";",
-        "}",
         "",
         *_block_struct("TablesParams", TABLES_PARAMS),
         f"constexpr int kTablesThreads = {TABLES_THREADS};",

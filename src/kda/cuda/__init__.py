@@ -59,19 +59,15 @@ PAIRED_RUNS = True
 # H100 (2026-12-05, run 168) the released model's serving form, `kda bench` case 7, took 0.363 ms
 # against 0.392 with the mma.sync K2 (fla 0.6.0: 1.454), and the CUDA tests passed with it.
 FAR_WGMMA = True
-# KDA_CUDA_DECODE_GRID: the CTAs of a decode launch whose entry point walks items
-# (kda.cuda.decode.decode_grid; unset: one CTA an item), checked where it is used.
-DECODE_GRID_OVERRIDE: str | None = None
 
 
 def read_switches() -> None:
     """Read ``KDA_CUDA``, ``KDA_CUDA_WARPS``, ``KDA_CUDA_BLOCKS``, ``KDA_CUDA_BACKWARD_CHAIN``,
-    ``KDA_CUDA_STATE_PRODUCTS``, ``KDA_CUDA_PAIRED_RUNS``, ``KDA_CUDA_FAR_WGMMA`` and
-    ``KDA_CUDA_DECODE_GRID`` from the environment: once, at import, as an environment read costs
-    0.6-0.7 us (an unset name raises and catches a KeyError inside ``os.environ``) against a host
-    budget of 40 us a call. Call it again after changing any in-process."""
+    ``KDA_CUDA_STATE_PRODUCTS``, ``KDA_CUDA_PAIRED_RUNS`` and ``KDA_CUDA_FAR_WGMMA`` from the
+    environment: once, at import, as an environment read costs 0.6-0.7 us (an unset name raises
+    and catches a KeyError inside ``os.environ``) against a host budget of 40 us a call. Call it
+    again after changing any in-process."""
     global TURNED_OFF, WARPS_OVERRIDE, BLOCKS_OVERRIDE, BACKWARD_CHAIN, STATE_PRODUCTS, PAIRED_RUNS, FAR_WGMMA
-    global DECODE_GRID_OVERRIDE
     TURNED_OFF = os.environ.get("KDA_CUDA") == "0"
     WARPS_OVERRIDE = os.environ.get("KDA_CUDA_WARPS")
     BLOCKS_OVERRIDE = os.environ.get("KDA_CUDA_BLOCKS")
@@ -79,7 +75,6 @@ def read_switches() -> None:
     STATE_PRODUCTS = os.environ.get("KDA_CUDA_STATE_PRODUCTS") != "0"
     PAIRED_RUNS = os.environ.get("KDA_CUDA_PAIRED_RUNS") != "0"
     FAR_WGMMA = os.environ.get("KDA_CUDA_FAR_WGMMA") != "0"
-    DECODE_GRID_OVERRIDE = os.environ.get("KDA_CUDA_DECODE_GRID")
 
 
 read_switches()

@@ -47,11 +47,6 @@ __device__ __forceinline__ int64_t global_ns() {
 }
 #endif
 
-// Orders this thread's generic-proxy accesses of shared memory before later async-proxy ones
-// (a bulk copy into the same bytes). CuTe's tma_store_fence is this instruction without a
-// "memory" clobber, which would let the compiler move shared-memory accesses across it.
-__device__ __forceinline__ void proxy_fence_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 __device__ __forceinline__ int64_t load_index(const void* base, int64_t i, bool is_int64) {
   return is_int64 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
 }
@@ -122,18 +117,7 @@ struct Ownership {
   }
 };
 
-// An item's values that sit in memory before its state can be located: its sequence's token
-// offsets (varlen) and its slot index (1-D indices) or accepted count (2-D indices), as stored
-// (an int32 in the low half). A CTA that walks several items has thread 0 fetch the next item's
-// by cp.async while the current one runs, so that the slot index's round trip, which stood
-// between a pool CTA's start and its state copy (1417 against 2850 cycles, H100, run 146,
-// 2026-12-05), is not paid again an item.
-struct ItemAhead {
-  int64_t offsets[2];
-  int64_t slot;
-};
-
-// Shared memory of a CTA (decode_slices' arrays) and the CTAs an SM then holds (228 KB, 1 KB of
+// Shared memory of a CTA (decode_slice's arrays) and the CTAs an SM then holds (228 KB, 1 KB of
 // it reserved per CTA), at most 10 for [K, V] states and 4 to 6 for [V, K] ones (whose sums over
 // K take more registers): past that the register budget spills (ptxas, nvcc 13.0, 2026-12-02).
 // The entry points declare it, so that registers never hold fewer CTAs than shared memory.
@@ -144,8 +128,7 @@ struct ItemAhead {
 // bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64.
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
-  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8 +
-         2 * int(sizeof(ItemAhead));
+  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8;
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
@@ -162,70 +145,8 @@ constexpr int decode_ctas_per_sm() {
   return ctas < most ? ctas : most;
 }
 
-// Item `item` of a call: its (sequence, value head, key head) and V slice. By 32-bit divisions
-// (Divide64 false): the items are under 2^31 (kda.cuda.decode checks) and the head counts small.
-// A 64-bit division is a 98-instruction subroutine, and three of them, one after another, stood
-// between a CTA's start and its slot index load and state copy (cuobjdump of
-// kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K] slices of 64 columns keep them: with the
-// 32-bit ones ptxas spilled 76 B in the token loop at their five CTAs an SM (nvcc 13.0, 2026-12-04).
-struct ItemPlace {
-  int64_t n, i_hv, i_h;
-  int i_v;
-};
-template <bool Divide64, int Slices>
-__device__ __forceinline__ ItemPlace place_of(uint32_t item, const DecodeParams& p) {
-  ItemPlace at;
-  at.i_v = int(item % Slices);  // (unsigned: a power of two's division and remainder are a shift and a mask)
-  if constexpr (Divide64) {
-    const int64_t pair = item / Slices;
-    at.n = pair / p.value_heads;
-    at.i_hv = pair % p.value_heads;
-    at.i_h = at.i_hv / (p.value_heads / p.heads);
-  } else {
-    const uint32_t pair = item / Slices, heads_v = uint32_t(p.value_heads), n32 = pair / heads_v;
-    const uint32_t i_hv32 = pair - n32 * heads_v;
-    at.n = n32;
-    at.i_hv = i_hv32;
-    at.i_h = i_hv32 / (heads_v / uint32_t(p.heads));
-  }
-  return at;
-}
-
-// Thread 0: start the copies of sequence n's ItemAhead values into `ahead` (cp.async, one group;
-// cp.async.wait_group makes them visible to thread 0, a CTA barrier after it to the others).
-__device__ __forceinline__ void fetch_ahead(const DecodeParams& p, int64_t n, ItemAhead& ahead) {
-  using Copy8 = cute::SM80_CP_ASYNC_CACHEALWAYS<int64_t>;
-  using Copy4 = cute::SM80_CP_ASYNC_CACHEALWAYS<int32_t>;
-  if (p.flags & kVarlen) {
-    Copy8::copy(p.seq_offsets[n], ahead.offsets[0]);
-    Copy8::copy(p.seq_offsets[n + 1], ahead.offsets[1]);
-  }
-  const void* slot = p.index_mode == 1 ? p.indices : p.index_mode == 2 ? p.accepted : nullptr;
-  const bool slot64 = p.flags & (p.index_mode == 1 ? kIndicesInt64 : kAcceptedInt64);
-  if (slot != nullptr) {
-    if (slot64)
-      Copy8::copy(static_cast<const int64_t*>(slot)[n], ahead.slot);
-    else
-      Copy4::copy(static_cast<const int32_t*>(slot)[n], *reinterpret_cast<int32_t*>(&ahead.slot));
-  }
-  cute::cp_async_fence();
-}
-
-// The items of a call, under 2^31 (kda.cuda.decode checks): (sequence, value head) pairs times V slices.
-template <int Slices>
-__device__ __forceinline__ int item_count(const DecodeParams& p) {
-  return int(Slices * p.num_seqs * p.value_heads);
-}
-
-// One item: the token loop of one (sequence, value head, V slice). It starts fetching the CTA's
-// next item's ItemAhead values (item + gridDim.x, if any) into ahead[turn & 1 ^ 1] once its own
-// state copy is issued; its own are in ahead[turn & 1]. Bit 1 of `turn`: the staging barrier's
-// parity for this item's copy. Returns whether the item staged a state (its copy completed a
-// phase of the barrier). (The CTA's loop keeps one counter, turn, and recomputes the rest, as
-// the registers of the 32- and 64-column slices are at their bounds: decode_ctas_per_sm.)
-template <typename E, bool VFirst, int BV, bool Walks>
-__device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int turn, uint64_t& staged_bar,
-                                            ItemAhead (&ahead)[2]) {
+template <typename E, bool VFirst, int BV>
+__device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   using Own = Ownership<E, VFirst, BV>;
   using R = Run<E>;
   constexpr int kVec = Own::kVec, kRuns = Own::kRuns, kThreadsC = Own::kThreadsC, kThreadsK = Own::kThreadsK;
@@ -241,10 +162,9 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
   __shared__ float4 s_vec[kHeadDim];
   __shared__ float s_sums[kDecodeWarps][3];
   __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
-  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) +
-                        2 * sizeof(ItemAhead) ==
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) ==
                     decode_shared_bytes<E, BV>(),
-                "decode_shared_bytes counts every array (and the staging barrier and look-ahead, decode_slices')");
+                "decode_shared_bytes counts every array (and the staging barrier)");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
@@ -252,25 +172,36 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
   const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
   int64_t trace_c[4] = {};
 #endif
-  // (float32 [V, K] slices of 64 columns: 64-bit divisions, place_of)
+  __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
+  const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
+  // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
+  // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
+  // subroutine, and three of them, one after another, stood between a CTA's start and its slot
+  // index load and state copy (cuobjdump of kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K]
+  // slices of 64 columns keep them: with the 32-bit ones ptxas spilled 76 B in the token loop at
+  // their five CTAs an SM (nvcc 13.0, 2026-12-04).
   constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
-  const ItemPlace at = place_of<kDivide64, kSlices>(item, p);
-  const int64_t n = at.n, i_hv = at.i_hv, i_h = at.i_h;
-  const int i_v = at.i_v, v0 = i_v * BV;
   const int64_t HV = p.value_heads;
+  int64_t n, i_hv, i_h;
+  if constexpr (kDivide64) {
+    const int64_t pair = blockIdx.x / kSlices;
+    n = pair / HV;
+    i_hv = pair % HV;
+    i_h = i_hv / (HV / p.heads);
+  } else {
+    const uint32_t pair = blockIdx.x / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
+    const uint32_t i_hv32 = pair - n32 * heads_v;
+    n = n32;
+    i_hv = i_hv32;
+    i_h = i_hv32 / (heads_v / uint32_t(p.heads));
+  }
   const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
   const bool idx64 = flags & kIndicesInt64;
 
-  // This item's ItemAhead values: where a CTA walks, fetched before its first item or during the
-  // item before; else read here from memory. (Read from the fetched copy in every entry point,
-  // they made ptxas spill 8 and 96 B in the float32 64-column slices, nvcc 13.0, 2026-12-06.)
-  const int64_t* offsets = Walks ? ahead[turn & 1].offsets : p.seq_offsets + n;
-  const void* slot = Walks ? &ahead[turn & 1].slot : mode == 1 ? p.indices : p.accepted;
-  const int64_t slot_at = Walks ? 0 : n;
   int64_t bos, eos;
   if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
-    bos = min(max(offsets[0], int64_t(0)), T);
-    eos = min(max(offsets[1], bos), T);
+    bos = min(max(p.seq_offsets[n], int64_t(0)), T);
+    eos = min(max(p.seq_offsets[n + 1], bos), T);
     if (mode == 2) eos = min(eos, bos + cols);  // and no token past the row of indices
   } else {
     bos = n * T;
@@ -278,11 +209,11 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
   }
   int64_t first = n;
   if (mode == 1) {
-    first = load_index(slot, slot_at, idx64);
+    first = load_index(p.indices, n, idx64);
   } else if (mode == 2) {
     int64_t col = 0;
     if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
-      col = min(max(load_index(slot, slot_at, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
+      col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
     first = load_index(p.indices, n * cols + col, idx64);
   }
   const int64_t slot_elements = HV * kHeadElements;
@@ -332,16 +263,18 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
   const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
   if (read) {
     if (tid == 0) {
-      if constexpr (!Walks) {  // (a walking CTA initialises it once, before its first item: decode_slices)
-        cute::initialize_barrier(staged_bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      }
+      // (Initialised at the CTA's start instead, before any global load, the copy was issued
+      // 1417 cycles into a bf16 N=256 CTA against 1581, 2850 against 3137 in a pool, and the
+      // graph time did not move: H100, run 146, 2026-12-05. The pool's later copy waits for its
+      // slot index, a DRAM round trip, not for the fence.)
+      cute::initialize_barrier(staged_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
     }
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
     if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
       if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
-      if constexpr (!Walks) __syncthreads();  // initialised before any thread waits on it
+      __syncthreads();  // initialised before any thread waits on it
     } else {
       __syncthreads();  // initialised, and the byte count posted, before any piece is issued
       cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
@@ -356,7 +289,7 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
   // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
   // each thread's own runs, all it reads before the first CTA barrier)
   const auto wait_staged = [&] {
-    if (read) mbarrier_wait(staged_bar, (turn >> 1) & 1);
+    if (read) mbarrier_wait(staged_bar, 0);
   };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
@@ -545,50 +478,6 @@ __device__ __forceinline__ bool decode_item(const DecodeParams& p, int item, int
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
   }
-  return read;
-}
-
-// Walks: a CTA walks items blockIdx.x, + gridDim.x, ...: one item a CTA where the host launches
-// one CTA an item, several where it launches fewer (kda.cuda.decode.decode_grid). Between two
-// items a CTA barrier (every thread done with the tile, s_vec and the look-ahead it read) and a
-// proxy fence (the threads' generic reads and writes of the tile ordered before the next item's
-// bulk copy into it, an async-proxy write). Otherwise the CTA runs item blockIdx.x alone
-// (abi.DECODE_WALKERS says which entry points walk).
-template <typename E, bool VFirst, int BV, bool Walks>
-__device__ __forceinline__ void decode_slices(const DecodeParams& p) {
-  __shared__ uint64_t staged_bar;  // the staging copies' mbarrier: a phase an item that reads a state
-  __shared__ alignas(16) ItemAhead ahead[2];  // by item parity
-  constexpr int kSlices = kHeadDim / BV;
-  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
-  if constexpr (!Walks) {
-    decode_item<E, VFirst, BV, false>(p, blockIdx.x, 0, staged_bar, ahead);
-    return;
-  }
-  if (threadIdx.x == 0) {
-    // (Initialised before the first item's loads, as against after them, the copy was issued at
-    // the same time and the graph time did not move: H100, run 146, 2026-12-05.)
-    cute::initialize_barrier(staged_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fetch_ahead(p, place_of<kDivide64, kSlices>(blockIdx.x, p).n, ahead[0]);
-    cute::cp_async_wait<0>();
-  }
-  __syncthreads();  // the barrier initialised and the first item's look-ahead landed, for every thread
-  // turn: bit 0 the item's look-ahead buffer, bit 1 the staging barrier's parity (decode_item)
-  int turn = 0;
-#pragma unroll 1
-  for (int item = blockIdx.x; item < item_count<kSlices>(p); item += gridDim.x) {
-    // (fetched before the item's own loads, where few registers are live: placed after its state
-    // copy's issue, the fetch made ptxas spill in five of the twelve entry points, nvcc 13.0)
-    if (threadIdx.x == 0 && item + int(gridDim.x) < item_count<kSlices>(p))
-      fetch_ahead(p, place_of<kDivide64, kSlices>(item + gridDim.x, p).n, ahead[(turn & 1) ^ 1]);
-    turn ^= decode_item<E, VFirst, BV, true>(p, item, turn, staged_bar, ahead) ? 3 : 1;
-    // (no wrap: item + gridDim.x < 2 items < 2^32, and the items are under 2^31)
-    if (item + int(gridDim.x) < item_count<kSlices>(p)) {
-      if (threadIdx.x == 0) cute::cp_async_wait<0>();
-      proxy_fence_shared();
-      __syncthreads();
-    }
-  }
 }
 
 }  // namespace
@@ -596,7 +485,7 @@ __device__ __forceinline__ void decode_slices(const DecodeParams& p) {
 #define KDA_DECODE_ENTRY(NAME, E, VFIRST, BV)                                             \
   extern "C" __global__ void __launch_bounds__(kDecodeThreads, (decode_ctas_per_sm<E, VFIRST, BV>())) \
       NAME(const DecodeParams p) {                                                         \
-    decode_slices<E, VFIRST, BV, decode_walks(sizeof(E) == 2, VFIRST, BV)>(p);             \
+    decode_slice<E, VFIRST, BV>(p);                                                        \
   }
 
 // Names: abi.decode_kernel_name (state dtype, layout: kv = [K, V], vk = [V, K], columns).

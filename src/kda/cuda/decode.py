@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-import kda.cuda
 from kda import abi
 from kda.cuda import loader
-from kda.cuda.forward import FLAG_HAS_H0, FLAG_STORE_HT, _launch_context, input_flags, sm_count
+from kda.cuda.forward import FLAG_HAS_H0, FLAG_STORE_HT, _launch_context, input_flags
 from kda.dispatch import note, on_device
 from kda.intmath import cdiv
 from kda.validation import Problem
@@ -56,24 +55,6 @@ AUTO_MIN_PAIRS = {("bfloat16", False): 1024, ("bfloat16", True): 1024, ("float32
 # (32 columns) took 0.0543 ms in run 37 against Triton's 0.0406 in run 36 (the bench's layout
 # row, graph replay); N=256 and 1024 ran here in both runs (0.288 and 1.100 ms in run 36).
 AUTO_MIN_PAIRS_V_FIRST_FLOAT32 = 8192
-
-
-WALKERS = frozenset(abi.DECODE_WALKERS)
-
-
-def decode_grid(items: int, walks: bool, resident) -> int:
-    """The CTAs of a decode launch of ``items`` (sequence, value head, V slice) items: one an
-    item, unless the entry point walks items (``walks``: abi.DECODE_WALKERS) and
-    ``KDA_CUDA_DECODE_GRID`` asks for fewer: ``resident``, the CTAs the GPU holds at once
-    (``resident()``: SMs times the CTAs an SM holds), so that each CTA fetches its next item's
-    slot index while it runs the current one; or a count (tests make CTAs walk many items of a
-    small problem with it)."""
-    setting = kda.cuda.DECODE_GRID_OVERRIDE
-    if setting is not None and setting not in ("items", "resident") and not (setting.isdigit() and int(setting) > 0):
-        raise ValueError(f"KDA_CUDA_DECODE_GRID must be 'items', 'resident' or a positive CTA count, got {setting!r}")
-    if not walks or setting in (None, "items"):
-        return items
-    return min(items, resident() if setting == "resident" else int(setting))
 
 
 def state_tensors(p: Problem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -157,17 +138,10 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
         p.T, p.N, p.N if p.pool is None else p.pool.shape[0], p.H, p.HV, idx.shape[1] if mode == 2 else 1, mode,
         bits, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
-    key = (dtype, p.state_v_first, columns)
-    name = loader.DECODE_KERNELS[key]
-    items = cdiv(p.V, columns) * p.N * p.HV
-    if items >= 2**31:  # (the kernel counts items in 32 bits; a grid of one CTA an item could not launch either)
-        raise ValueError(f"a decode call of {items} (sequence, head, V slice) items: at most 2^31 - 1")
+    name = loader.DECODE_KERNELS[(dtype, p.state_v_first, columns)]
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
-        resident = lambda: sm_count(device_index) * kernels.resident_ctas(name, abi.DECODE_THREADS, device_index)  # noqa: E731
-        grid = decode_grid(items, key in WALKERS, resident)
         kernels.set_decode_params(params)
-        kernels.launch(name, (grid, 1), abi.DECODE_THREADS, 0, stream, "decode")
+        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, "decode")
     note("cuda:pooled_decode" if p.pool is not None else "cuda:decode")
-    note(f"cuda:decode:ctas:{grid}:items:{items}")
     return o, ht

@@ -253,7 +253,6 @@ class Kernels:
         self.tables_params = TablesParams()
         self.tables_argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.tables_params))
         self.configured_devices: set[int] = set()
-        self.residency: dict[tuple[str, int], int] = {}  # (entry point, device) -> CTAs an SM holds
         self.threads = threading.local()  # .bound: the devices whose context this thread has made current
         self.lock = threading.Lock()
         self.direct_launch = driver_launch()
@@ -328,18 +327,6 @@ class Kernels:
         for attribute, value, kernel in settings:
             check(driver.cuKernelSetAttribute(attribute, value, kernel, device), "cuKernelSetAttribute")
         self.configured_devices.add(device_index)
-
-    def resident_ctas(self, name: str, threads: int, device_index: int) -> int:
-        """The CTAs of ``name`` (``threads`` each, no dynamic shared memory) an SM of the device
-        holds at once, by the driver's occupancy calculator; once per entry point and device
-        (hold :attr:`lock`, with the device's context bound)."""
-        key = (name, device_index)
-        if key not in self.residency:
-            driver = self.driver
-            function = check(driver.cuKernelGetFunction(self.kernels[name]), f"cuKernelGetFunction({name})")
-            ctas = check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, 0), "occupancy")
-            self.residency[key] = int(ctas)
-        return self.residency[key]
 
     def launch(
         self, name: str, grid: tuple[int, int], threads: int, smem: int, stream: int, block: str = "chunk"
