@@ -3,11 +3,7 @@
 # "Next device plan (after this session)", 2026-12-05), whichever card comes.
 #
 # An H200: the A/B of seven builds (K1 is instruction-bound there, runs 132, 144, 161), the only
-# card where the candidates can win. An H100 (K1 bound by memory there): what it can still say,
-#   1. the CUDA and launch tests, which hold the far twin's first GPU tests;
-#   2. `kda bench` case 7 (the released model's precomputed gate) beside fla, with the switch off
-#      and on (the switch changes K2, not K1: its gain can show on either card);
-#   3. four builds' executed instructions on 1x8192 H96 by ncu (the H200's K1 time follows them).
+# card where the candidates can win. An H100 (K1 bound by memory there): what is left for it (below).
 # Every log goes back as one archive ($OUT/k1-call.tgz) beside the A/B's lines: at most 8 files
 # come back from $OUT.
 # Carries: .whl, .kernels, .kernels-wtf32, .kernels-so, .kernels-atf32, .kernels-aw, .kernels-all3.
@@ -28,18 +24,12 @@ if [[ $card == *H200* ]]; then
 fi
 work=/tmp/k1-call
 mkdir -p "$work"
-timeout 230 env TESTS="tests/test_cuda.py tests/test_cuda_launch.py" BIGMEM=0 WORKERS=14 TEST_TIMEOUT=200 \
-  OUT=$work/tests bash benchmarks/gpu_session.sh tests 2>&1 | tail -12
-for far in 0 1; do
-  impls=kda-cuda,fla
-  [[ $far == 1 ]] && impls=kda-cuda
-  timeout 120 env KDA_CUDA_FAR_WGMMA=$far BENCH_ARGS="--impls $impls --cases 7" BENCH_TIMEOUT=110 \
-    OUT=$work/bench-far$far bash benchmarks/gpu_session.sh bench 2>&1 | tail -6
-done
-# (four builds: default, A, A and w, all three; about 45 s each)
-for b in "" -atf32 -aw -all3; do
-  timeout 50 env KERNELS=.kernels$b OUT=$work/k1$b PROFILE_PARTS=k1src bash benchmarks/gpu_session.sh profile \
-    2>&1 | grep -i "executed instructions" | head -4 | sed "s/^/.kernels$b: /"
-done
-cp "$work/tests/triton-autotune-cards.tgz" "$OUT/" 2>/dev/null
+# An H100 after run 168 (which ran the CUDA tests, case 7 with the twin off and on, and K1's
+# instructions) and run 169 (the whole suite): case 7 with the twin on (the default since 64dcbef)
+# beside fla in the same process, then the memcheck of the CUDA cases past 2^31 elements
+# (benchmarks/past_int32_sanitize.py), never run yet.
+timeout 120 env BENCH_ARGS="--impls kda-cuda,fla --cases 7" BENCH_TIMEOUT=110 OUT=$work/bench-far1 \
+  bash benchmarks/gpu_session.sh bench 2>&1 | tail -6
+timeout ${SANITIZE_TIMEOUT:-420} env SANITIZER_TOOLS=memcheck SANITIZE_SCRIPT=benchmarks/past_int32_sanitize.py \
+  SANITIZER_TIMEOUT=400 OUT=$work/sanitize bash benchmarks/gpu_session.sh sanitize 2>&1 | tail -8
 tar czf "$OUT/k1-call.tgz" -C /tmp k1-call
