@@ -61,7 +61,12 @@ REGISTER_CEILING = {abi.PREPARE_KERNEL: 80, abi.PREPARE_FAR_KERNEL: 96,
                     abi.wgmma_runs_kernel_name(1): 255, abi.wgmma_runs_kernel_name(2): 168,
                     "kda_state_grad_chain_w1": 168, "kda_state_grad_chain_w2": 168,
                     # nine warps: three on some SM sub-partition (16384 registers each), so 168 at most
-                    loader.PRODUCTS_KERNEL[0]: 168}  # fmt: skip
+                    loader.PRODUCTS_KERNEL[0]: 168,
+                    # six CTAs of 128 threads an SM (decode.cu DecodeScratch, 2026-12-06)
+                    abi.decode_kernel_name("bfloat16", False, 128): 80}  # fmt: skip
+# Static shared memory of an entry point, at most: six decode CTAs of bf16 whole heads share an
+# SM's 228 KB, 1 KB of it reserved a CTA (decode.cu DecodeScratch: the overlay is what fits them).
+SHARED_CEILING = {abi.decode_kernel_name("bfloat16", False, 128): 228 * 1024 // 6 - 1024}
 
 
 def abi_include(tmp_path: Path) -> Path:
@@ -84,8 +89,8 @@ CANDIDATES = (
 
 def ptxas_report(
     source: Path, include: Path, tmp_path: Path, flags: tuple[str, ...] = ()
-) -> dict[str, tuple[int, int, tuple[str, ...]]]:
-    """kernel -> (registers, spill bytes, ptxas' wgmma notes) from ``ptxas -v``, with the build's
+) -> dict[str, tuple[int, int, tuple[str, ...], int]]:
+    """kernel -> (registers, spill bytes, ptxas' wgmma notes, static shared bytes) from ``ptxas -v``, with the build's
     nvcc flags (and ``flags``). The notes are codes such as C7517 (a warpgroup.wait ptxas injected)
     or C7510 (wgmmas it serialised), each a wait the source did not ask for."""
     result = subprocess.run(
@@ -103,7 +108,9 @@ def ptxas_report(
         name = entry.split("'")[0]
         spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", entry))
         codes = tuple(code for code, function in notes if function == name)
-        report[name] = (int(re.search(r"Used (\d+) registers", entry).group(1)), spills, codes)
+        shared = re.search(r"(\d+) bytes smem", entry)
+        report[name] = (int(re.search(r"Used (\d+) registers", entry).group(1)), spills, codes,
+                        int(shared.group(1)) if shared else 0)  # fmt: skip
     return report
 
 
@@ -116,17 +123,19 @@ def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path)
         report |= ptxas_report(SOURCES / source, include, tmp_path)
     assert set(report) == {*abi.PREPARE_WGMMA_TWINS, *abi.PREPARE_WGMMA_TWINS.values(), abi.TABLES_KERNEL,
                            *(name for name, _ in loader.SIZED_KERNELS), *loader.DECODE_KERNELS.values()}  # fmt: skip
-    assert {name: spills for name, (_, spills, _) in report.items() if spills} == {}
+    assert {name: spills for name, (_, spills, *_) in report.items() if spills} == {}
     # An injected wait turns work meant to overlap the wgmmas into work after them (2026-12-04:
     # the gamma scaling beside the chain cost the wgmma K2 4-8%, benchmarks/NOTES.md run 123).
-    assert {name: codes for name, (*_, codes) in report.items() if codes} == {}
+    assert {name: codes for name, (_, _, codes, _) in report.items() if codes} == {}
     for name, ceiling in REGISTER_CEILING.items():
         assert report[name][0] <= ceiling, f"{name}: {report[name][0]} registers > {ceiling}"
+    for name, ceiling in SHARED_CEILING.items():
+        assert report[name][3] <= ceiling, f"{name}: {report[name][3]} B of shared memory > {ceiling}"
     for source, flags in CANDIDATES:
         candidate = ptxas_report(SOURCES / source, include, tmp_path, flags)
         assert candidate.keys() <= report.keys(), (flags, sorted(candidate))
-        assert {name: spills for name, (_, spills, _) in candidate.items() if spills} == {}, flags
-        assert {name: codes for name, (*_, codes) in candidate.items() if codes} == {}, flags
+        assert {name: spills for name, (_, spills, *_) in candidate.items() if spills} == {}, flags
+        assert {name: codes for name, (_, _, codes, _) in candidate.items() if codes} == {}, flags
         for name, (registers, *_) in candidate.items():
             assert registers <= REGISTER_CEILING.get(name, 255), (flags, name, registers)
 
