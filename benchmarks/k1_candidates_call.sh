@@ -16,7 +16,7 @@ if [[ $card == *H200* ]]; then
   # (the far twin is the default since 64dcbef: the second column is the mma.sync K2 for the far gates)
   ab=".kernels:auto .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
   for b in "${builds[@]:1}"; do ab+=" .kernels$b:auto"; done
-  timeout ${AB_TIMEOUT:-540} env AB_LONG_CASES=1,3 WIDTH_AB="$ab" WIDTH_AB_ROUNDS=2 OUT=$OUT \
+  timeout ${AB_TIMEOUT:-540} env AB_LONG_CASES=1,3 WIDTH_AB="$ab" WIDTH_AB_ROUNDS=${K1_ROUNDS:-2} OUT=$OUT \
     bash benchmarks/gpu_session.sh widthab 2>&1 | tail -40
   # (the summary again: a call cut short by the timeout never printed it; the lines are in $OUT)
   PYTHONPATH=src python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl"
