@@ -128,8 +128,8 @@ struct Ownership {
 // bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md). Whole heads (128 columns, 2026-12-02):
 // bf16 [K, V] 5 CTAs (95 registers), float32 [K, V] 3; bf16 runs there (run 39: 0.92 of the copy
 // bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64. With its scratch overlaid
-// (DecodeScratch, 2026-12-06) bf16 [K, V] whole heads take 37,888 B, six CTAs to the byte (80
-// registers, no spills at six: ptxas, nvcc 13.0).
+// (DecodeScratch, a candidate build: -DKDA_DECODE_OVERLAY=1, 2026-12-06) bf16 [K, V] whole heads
+// take 37,888 B, six CTAs to the byte (80 registers, no spills at six: ptxas, nvcc 13.0).
 //
 // The shared memory after the tile: the token's per-K vectors, (d, k) for pass 2 and (d k, d q)
 // for pass 1; the warps' sums for the l2norm; for [K, V] states the warps' partial sums over K;
@@ -140,9 +140,16 @@ struct Ownership {
 // the partial sums' writes, and keeps (d, k) apart from (d k, d q). The other slices keep their
 // arrays apart, (d, k, d k, d q) one 16-byte vector a K index (their CTAs an SM would not change;
 // in one raw buffer like the overlay's, ptxas spilled 8 B in two of them, nvcc 13.0).
+// The overlay is a candidate, off by default: on an H100 six CTAs ran as five did (run 170,
+// 2026-12-06: bf16 N=256 0.1888 against 0.1882 ms, pools 0.1907 against 0.1905, benchmarks/NOTES.md);
+// the H200, where N=256 reaches 0.877 of the copy bandwidth (the bar is 0.9), is where more warps
+// an SM could count, and it has not been measured there.
+#ifndef KDA_DECODE_OVERLAY
+#define KDA_DECODE_OVERLAY 0
+#endif
 template <typename E, bool VFirst, int BV>
 struct DecodeScratch {
-  static constexpr bool kOverlay = !VFirst && sizeof(E) == 2 && BV == kHeadDim;
+  static constexpr bool kOverlay = KDA_DECODE_OVERLAY && !VFirst && sizeof(E) == 2 && BV == kHeadDim;
   static constexpr int kPartialBytes = 4 * kDecodeWarps * 2 * BV;  // float [warps][2][BV]
   static constexpr int kSumsBytes = 4 * kDecodeWarps * 3;          // float [warps][3]
   // The overlay's buffer: (d, k) float2 [128], then the partial sums over (d k, d q) float2
