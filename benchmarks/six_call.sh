@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call (2026-12-06): the decode kernel with six bf16 whole-head CTAs an SM (the build of
-# this tree, .kernels-six) against five (.kernels, c96f0c8's decode): its GPU decode and pool tests,
-# then the decode A/B; then on an H200 the K1 candidates' A/B in one round (k1_candidates_call.sh),
-# on an H100 what that script does there. Carries: .whl, .kernels, .kernels-six and the five K1
-# candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
+# One device call (2026-12-06, run 170 on an H100): the decode kernel with six bf16 whole-head CTAs an
+# SM (.kernels-six: `bash benchmarks/build_kernels.sh .kernels-six HEAD -DKDA_DECODE_OVERLAY=1`)
+# against five (.kernels, the default build): its GPU decode and pool tests, then the decode A/B;
+# then on an H200 the K1 candidates' A/B in one round (k1_candidates_call.sh), on an H100 what that
+# script does there. Carries: .whl, .kernels, .kernels-six and the five K1 candidate folders
+# (.kernels-wtf32, -so, -atf32, -aw, -all3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
