@@ -218,8 +218,8 @@ if [[ " $step " == *" decode "* ]]; then  # decode steps against fla's fused_rec
 fi
 # Builds A/B'd in alternating processes, two rounds: ab_rounds NAME "DIRS" SCRIPT [ARGS]; each process prints a JSON
 # line to $OUT/NAME.jsonl, and SCRIPT --summary reads them back as a table.
-# Each of the dirs may carry a setting for its process, DIR:NAME=VALUE (e.g.
-# .kernels:KDA_CUDA_DECODE_GRID=resident), and is the label of its lines.
+# Each of the dirs may carry an environment setting for its process, DIR:NAME=VALUE (run 169 timed a
+# decode grid switch this way, since removed), and is the label of its lines.
 ab_rounds() {
   local name=$1 dirs=$2 script=$3 spec dir setting
   shift 3
