@@ -18,5 +18,5 @@ import pytest  # noqa: E402
 
 # the pool's decode step and prefill, and the training step (the forward's 2^21-token calls would
 # take memcheck's slowdown times 30 ms of kernels on 2^31 elements, and their memory, without the cache)
-CASES = "cuda and (pool or gradients)"
+CASES = "cuda and (pool or (gradients and state))"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_past_int32.py", "-k", CASES]))

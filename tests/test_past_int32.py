@@ -244,17 +244,28 @@ def window_gradients(case: Case, backend: str, rows: list[tuple[int, int, torch.
     return dict(zip(GRAD_INPUTS, torch.autograd.grad(loss, list(inputs.values()))))
 
 
+# Training's two sizes: the long sequence's tokens, and the GPU memory the call takes with room.
+# "state": 2^18 tokens, so the per-chunk state gradients pass 2^31 elements and the inputs do not.
+# "inputs": 2^21 tokens, the inputs past 2^31 as well: the checkpoints (float32, 17 GB), the state
+# gradients (bf16, 34 GB), K1's workspace (15 GB), four inputs and their gradients (34 GB) and
+# the forward's o and its gradient take about 110 GB, so only a GPU of 125 GB or more runs it
+# (an H200: 2026-12-06).
+GRAD_SIZES = {"state": (PAST // (8 * 8 * D), 40), "inputs": (PAST // (8 * D), 125)}
+
+
+@pytest.mark.parametrize("size", list(GRAD_SIZES))
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=cuda_ready), "triton"])
-def test_gpu_gradients_past_two_to_the_31_state_gradient_elements(backend):
-    """Training: a 2^18-token sequence at H = 8 and a 200-token one after it. The backward's
-    state gradient of every chunk ([chunks, H, V, K], eight times an input's elements at D = 128)
-    passes 2^31 elements, the second sequence's rows all past it (inputs of 2^28 elements: the
-    inputs themselves past 2^31 would take about 110 GB). The loss reads the long sequence's last
-    WINDOW outputs (after a reset) and final state, and the short sequence's outputs and final
-    state; each gradient against the same backend's on that stretch alone, the tokens before the
-    reset at zero (what reaches them is scaled by e^-120)."""
-    H, T0, T1 = 8, PAST // (8 * 8 * D), 200
-    with alone_on_the_gpu(need_gb=40):
+def test_gpu_gradients_past_two_to_the_31_elements(backend, size):
+    """Training: a long sequence at H = 8 (GRAD_SIZES) and a 200-token one after it. At 2^18
+    tokens the backward's state gradient of every chunk ([chunks, H, V, K], eight times an
+    input's elements at D = 128) passes 2^31 elements, the second sequence's rows all past it; at
+    2^21 tokens q, k, v, g, o and their gradients do too, the second sequence's rows all past
+    element 2^31. The loss reads the long sequence's last WINDOW outputs (after a reset) and
+    final state, and the short sequence's outputs and final state; each gradient against the same
+    backend's on that stretch alone, the tokens before the reset at zero (what reaches them is
+    scaled by e^-120)."""
+    (T0, need_gb), H, T1 = GRAD_SIZES[size], 8, 200
+    with alone_on_the_gpu(need_gb=need_gb):
         case = big_case([T0, T1], H, seed=1306)
         first = reset_before_end(case, T0)
         gen = torch.Generator(device=DEV).manual_seed(1307)
