@@ -5,10 +5,13 @@ steps, and torch.compile(fullgraph=True) of a small model."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import importlib
 import importlib.util
 import os
+import pkgutil
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kda
-from helpers import AUTO, DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
+from helpers import AUTO, DEVICE, GRAD_INPUTS, cuda_ready, fp64_gradients, gradients, make_case, rel
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -229,6 +232,80 @@ def test_training_calls_dispatch_and_run_the_triton_backward(caplog):
     assert events[3:] == ["chunk_kda backward -> triton", "triton:prepare_chunks", "triton:state_grad_chain",
                           "triton:chunk_grads"]  # fmt: skip
     assert "[kda] chunk_kda backward -> triton" in [r.getMessage() for r in caplog.records]
+
+
+def triton_autotuners() -> dict:
+    """Every Triton autotuner of kda.triton's modules, by ``module.kernel`` name."""
+    import triton
+
+    import kda.triton
+
+    found = {}
+    for info in pkgutil.iter_modules(kda.triton.__path__):
+        module = importlib.import_module(f"kda.triton.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.Autotuner):
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=cuda_ready), "triton"])
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_autotuning_leaves_every_result_alone(monkeypatch, backend, gate):
+    """Triton's autotuner runs a kernel once for each config it times, on the call's own
+    tensors, before the chosen config runs: a kernel that overwrites a tensor it reads must name
+    it in ``restore_value`` (chunk_input_grads_kernel rewrites d_squares and d_operands; without
+    that, a training call on a cold cache got wrong gradients: dq of order 1e-23 in place of one,
+    H100, 2026-12-06, run 171, its memcheck step tuning where the tests never do). Every kda
+    autotuner gets its first config twice, an empty cache and a timer that runs each candidate
+    twice; the training call's outputs and gradients must be the untuned call's, bit for bit.
+    Cases: the lower-bound gate with l2norm (the in-place third pass) and GVA; a precomputed
+    gate with steep steps (the two far launches)."""
+    case = make_case(seq_lens=[21, 37], H=2, HV=4, K=16, V=16, gate=gate, device=DEVICE, seed=71,
+                     steep_steps=3 if gate == "precomputed" else 0)  # fmt: skip
+
+    def run():
+        inputs = {
+            n: getattr(case, n).detach().clone().requires_grad_() for n in GRAD_INPUTS if getattr(case, n) is not None
+        }
+        kw = case.kwargs(**{n: inputs[n] for n in ("initial_state", "A_log", "dt_bias") if n in inputs})
+        o, ht = kda.chunk_kda(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
+        gen = torch.Generator().manual_seed(72)
+        loss = (o * torch.randn(o.shape, generator=gen).to(o)).sum() + (
+            ht * torch.randn(ht.shape, generator=gen).to(ht)
+        ).sum()
+        grads = torch.autograd.grad(loss, list(inputs.values()))
+        return {"o": o.detach(), "ht": ht.detach(), **dict(zip(inputs, grads))}
+
+    tuners = triton_autotuners()
+    for tuner in tuners.values():  # the untuned call: one config, as KDA_TRITON_AUTOTUNE=0 gives
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
+        monkeypatch.setattr(tuner, "cache", {})
+    untuned = run()
+
+    timed = collections.Counter()
+
+    def timer(name):
+        def do_bench(kernel_call, quantiles):
+            kernel_call()
+            kernel_call()
+            timed[name] += 1
+            return [1.0] * len(quantiles)
+
+        return do_bench
+
+    for name, tuner in tuners.items():
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1] * 2)
+        monkeypatch.setattr(tuner, "cache", {})
+        monkeypatch.setattr(tuner, "cache_results", False)  # nothing read from or left on disk
+        monkeypatch.setitem(vars(tuner), "do_bench", timer(name))  # (its attribute or cached property)
+    tuned = run()
+    assert timed["chunk_grad.chunk_input_grads_kernel"] > 0, dict(timed)
+    if backend == "triton":  # its training call runs every one of them
+        assert set(timed) == set(tuners), (sorted(timed), sorted(tuners))
+    for name, x in untuned.items():
+        assert torch.isfinite(x).all(), name
+        assert torch.equal(tuned[name], x), (name, rel(tuned[name], x))
 
 
 def test_inference_calls_save_no_checkpoints():

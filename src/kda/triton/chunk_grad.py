@@ -355,6 +355,11 @@ def _pair_products(b_k, G2, R, rows):
     # (three stages, offered in run 41, were not chosen)
     configs=autotune_configs([{}, {"maxnreg": 168}, {"maxnreg": 128}], warps=(4, 8, 2), stages=(1, 2)),
     key=["BK", "SLICE", "GATE", "SAFE", "PAIRWISE"],
+    # The kernel rewrites these two as it goes (below): the tuner runs it once for each config it
+    # times, so each timing must start from the call's own values, and the chosen config's run too.
+    # Without this a training call on a cold cache got wrong gradients (dq of order 1e-23 in place
+    # of one: H100, 2026-12-06, run 171). The cost, on a tuning only: a copy of both a timing.
+    restore_value=["d_operands", "d_squares"],
 )
 @triton.jit
 def chunk_input_grads_kernel(
