@@ -261,7 +261,9 @@ def test_autotuning_leaves_every_result_alone(monkeypatch, backend, gate):
     twice; the training call's outputs and gradients must be the untuned call's, bit for bit.
     Cases: the lower-bound gate with l2norm (the in-place third pass) and GVA; a precomputed
     gate with steep steps (the two far launches)."""
-    case = make_case(seq_lens=[21, 37], H=2, HV=4, K=16, V=16, gate=gate, device=DEVICE, seed=71,
+    cuda = backend == "cuda"  # (its kernels take bf16 and K = V = 128)
+    case = make_case(seq_lens=[21, 37], H=2, HV=2 if cuda else 4, K=128 if cuda else 16, V=128 if cuda else 16,
+                     dtype=torch.bfloat16 if cuda else torch.float32, gate=gate, device=DEVICE, seed=71,
                      steep_steps=3 if gate == "precomputed" else 0)  # fmt: skip
 
     def run():
