@@ -259,8 +259,8 @@ def test_autotuning_leaves_every_result_alone(monkeypatch, backend, gate):
     H100, 2026-12-06, run 171, its memcheck step tuning where the tests never do). Every kda
     autotuner gets its first config twice, an empty cache and a timer that runs each candidate
     twice; the training call's outputs and gradients must be the untuned call's, bit for bit.
-    Cases: the lower-bound gate with l2norm (the in-place third pass) and GVA; a precomputed
-    gate with steep steps (the two far launches)."""
+    Cases: the lower-bound gate with l2norm (the in-place third pass), with GVA on Triton; a
+    precomputed gate with steep steps (the two far launches)."""
     cuda = backend == "cuda"  # (its kernels take bf16 and K = V = 128)
     case = make_case(seq_lens=[21, 37], H=2, HV=2 if cuda else 4, K=128 if cuda else 16, V=128 if cuda else 16,
                      dtype=torch.bfloat16 if cuda else torch.float32, gate=gate, device=DEVICE, seed=71,

@@ -358,7 +358,7 @@ def _pair_products(b_k, G2, R, rows):
     # The kernel rewrites these two as it goes (below): the tuner runs it once for each config it
     # times, so each timing must start from the call's own values, and the chosen config's run too.
     # Without this a training call on a cold cache got wrong gradients (dq of order 1e-23 in place
-    # of one: H100, 2026-12-06, run 171). The cost, on a tuning only: a copy of both a timing.
+    # of one: H100, 2026-12-06, run 171). The cost falls on a tuning only: both copied a timed run.
     restore_value=["d_operands", "d_squares"],
 )
 @triton.jit
