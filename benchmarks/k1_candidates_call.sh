@@ -9,13 +9,14 @@
 # Carries: .whl, .kernels, .kernels-wtf32, .kernels-so, .kernels-atf32, .kernels-aw, .kernels-all3.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-builds=("" -wtf32 -so -atf32 -aw -all3)
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 if [[ $card == *H200* ]]; then
-  # (the far twin is the default since 64dcbef: the second column is the mma.sync K2 for the far gates)
-  ab=".kernels:auto .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
-  for b in "${builds[@]:1}"; do ab+=" .kernels$b:auto"; done
+  # The likeliest winners first (an A/B cut short still says what it timed; 2026-12-06); last, the
+  # mma.sync K2 for the far gates (the far twin is the default since 64dcbef).
+  ab=".kernels:auto"
+  for b in -all3 -aw -atf32 -wtf32 -so; do ab+=" .kernels$b:auto"; done
+  ab+=" .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
   timeout ${AB_TIMEOUT:-540} env AB_LONG_CASES=1,3 WIDTH_AB="$ab" WIDTH_AB_ROUNDS=${K1_ROUNDS:-2} OUT=$OUT \
     bash benchmarks/gpu_session.sh widthab 2>&1 | tail -40
   # (the summary again: a call cut short by the timeout never printed it; the lines are in $OUT)
