@@ -241,13 +241,15 @@ def gradients(
     seed: int = 0,
     final_state_grad: bool = True,
     train: tuple[str, ...] = GRAD_INPUTS,
+    outputs: bool = False,
     **over,
 ) -> dict[str, torch.Tensor]:
     """The gradients of ``sum(o * do) + sum(final_state * dht)`` with respect to the tensor
     inputs of ``case`` named in ``train`` (default every one of GRAD_INPUTS that is present; the
     others are passed as tensors that do not require grad), computed by ``backend``; ``do`` and
     ``dht`` are random, drawn from ``seed`` on the CPU (the same for every backend and dtype).
-    ``final_state_grad=False`` leaves the final state out of the loss."""
+    ``final_state_grad=False`` leaves the final state out of the loss; ``outputs=True`` adds the
+    call's own ``"o"`` and ``"ht"`` (detached) to the gradients."""
     inputs = {name: getattr(case, name) for name in GRAD_INPUTS if getattr(case, name) is not None}
     inputs = {name: x.detach().clone().requires_grad_(name in train) for name, x in inputs.items()}
     leaves = {name: x for name, x in inputs.items() if name in train}
@@ -266,6 +268,8 @@ def gradients(
     if not loss.requires_grad:  # nothing reaches the loss (no tokens, no state): every gradient is zero
         return {name: torch.zeros_like(x) for name, x in leaves.items()}
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    if outputs:
+        return {"o": o.detach(), "ht": ht.detach(), **dict(zip(leaves, grads))}
     return dict(zip(leaves, grads))
 
 

@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kda
-from helpers import AUTO, DEVICE, GRAD_INPUTS, cuda_ready, fp64_gradients, gradients, make_case, rel
+from helpers import AUTO, DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -267,17 +267,7 @@ def test_autotuning_leaves_every_result_alone(monkeypatch, backend, gate):
                      steep_steps=3 if gate == "precomputed" else 0)  # fmt: skip
 
     def run():
-        inputs = {
-            n: getattr(case, n).detach().clone().requires_grad_() for n in GRAD_INPUTS if getattr(case, n) is not None
-        }
-        kw = case.kwargs(**{n: inputs[n] for n in ("initial_state", "A_log", "dt_bias") if n in inputs})
-        o, ht = kda.chunk_kda(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
-        gen = torch.Generator().manual_seed(72)
-        loss = (o * torch.randn(o.shape, generator=gen).to(o)).sum() + (
-            ht * torch.randn(ht.shape, generator=gen).to(ht)
-        ).sum()
-        grads = torch.autograd.grad(loss, list(inputs.values()))
-        return {"o": o.detach(), "ht": ht.detach(), **dict(zip(inputs, grads))}
+        return gradients(case, backend, seed=72, outputs=True)
 
     tuners = triton_autotuners()
     for tuner in tuners.values():  # the untuned call: one config, as KDA_TRITON_AUTOTUNE=0 gives
