@@ -3,17 +3,16 @@
 # SM (.kernels-six: `bash benchmarks/build_kernels.sh .kernels-six HEAD -DKDA_DECODE_OVERLAY=1`)
 # against five (.kernels, the default build): the K1 candidates' A/B in one round
 # (k1_candidates_call.sh), the decode A/B, then the six-CTA build's GPU decode and pool tests; on an H100
-# only the memcheck past 2^31 elements (run 170 had its decode parts). Carries: .whl, .kernels,
+# the whole suite (run 170 had its decode parts, runs 171-172 the memcheck past 2^31). Carries: .whl, .kernels,
 # .kernels-six and the five K1 candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 if [[ $card != *H200* ]]; then
-  # An H100 had this call's decode parts in run 170: give it all to the memcheck past 2^31 elements
-  # (benchmarks/past_int32_sanitize.py; run 170 cut it after two tests at 150 s).
-  timeout 560 env SANITIZER_TOOLS=memcheck SANITIZE_SCRIPT=benchmarks/past_int32_sanitize.py \
-    SANITIZER_TIMEOUT=540 OUT=$OUT/sanitize bash benchmarks/gpu_session.sh sanitize 2>&1 | tail -12
+  # An H100 had this call's decode parts in run 170 and the memcheck past 2^31 in runs 171-172: give it
+  # the whole suite on the current tree (the last whole-suite run on a GPU was run 169, before 56b6c5c).
+  WORKERS=14 TEST_TIMEOUT=330 PER_TEST_TIMEOUT=300 BIGMEM_TIMEOUT=200 OUT=$OUT bash benchmarks/gpu_session.sh tests 2>&1 | tail -12
   exit 0
 fi
 # (K1 first: run 99's six CTAs of another form lost 1-2% from N=256 on, on the H200)
