@@ -152,8 +152,10 @@ fi
 if [[ $step == all || $step == *tests* ]]; then
   # -v: each result is logged as it lands (a run cut short still says what passed); --timeout: one
   # stuck test fails alone (pytest-timeout is in the GPU image). 420 s: the whole suite took 340 s with
-  # 14 workers on 2026-12-04 (run 135) and ran past 345 in run 130.
-  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -n ${WORKERS:-8} ${TESTS:-tests} \
+  # 14 workers on 2026-12-04 (run 135) and ran past 345 in run 130. worksteal: run 176 (H100,
+  # 2026-12-06) was cut at 330 s with one worker still holding a queue of slow gradient tests that
+  # idle workers could have taken (xdist's default hands each worker its share up front).
+  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -n ${WORKERS:-8} --dist ${DIST:-worksteal} ${TESTS:-tests} \
     -m "not bigmem" -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=15 > "$OUT/pytest-gpu.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed|gradient rel RMS|kda o" "$OUT/pytest-gpu.log" | grep -v PASSED | head -30
   # The tests past 2^31 elements (20-60 GB each) after the rest, one process: beside 14 workers
