@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -10,11 +11,27 @@ import torch
 import kda
 import kda.cuda
 from kda import reference
+from kda.bench import FLA_OWN_KERNELS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The backend that runs Triton's kernels through dispatch: auto on a GPU; on CPU tensors auto
 # takes the torch backend (the interpreter is far slower), so the tests ask for Triton by name.
 AUTO = "auto" if DEVICE == "cuda" else "triton"
+
+
+@contextlib.contextmanager
+def fla_itself():
+    """fla's own KDA kernels inside the block (kda.bench.FLA_OWN_KERNELS), and nothing in it
+    dispatched to kda: tests/test_fla.py registers kda in fla's dispatcher for the rest of its
+    pytest worker, after which fla's chunk_kda runs kda, and a test "beside fla" compared kda with
+    itself (run 177, 2026-12-06, where the bf16 gradient test's stand-in for kda.chunk_kda
+    raised)."""
+    with pytest.MonkeyPatch.context() as env, kda.record_dispatch() as events:
+        for name, value in FLA_OWN_KERNELS.items():
+            env.setenv(name, value)
+        yield
+    assert not events, f"a call to fla reached kda: {events}"
+
 
 # GPU tests of the CUDA backend: skipped, with the reason, where its kernels are not built.
 cuda_ready = pytest.mark.skipif(

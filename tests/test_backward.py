@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import importlib
 import importlib.util
-import os
 import pkgutil
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kda
-from helpers import AUTO, DEVICE, cuda_ready, fp64_gradients, gradients, make_case, rel
+from helpers import AUTO, DEVICE, cuda_ready, fla_itself, fp64_gradients, gradients, make_case, rel
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -460,7 +459,6 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
 def test_gpu_bf16_gradients_no_worse_than_fla(lens):
     """bf16 inputs: every gradient's error against fp64 (same rounded inputs) beside fla's
     chunk_kda gradients on the same inputs, printed; kda's within 1.1x of fla's."""
-    os.environ.setdefault("FLA_FLASH_KDA", "0")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     case = make_case(seq_lens=lens, H=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=14)
@@ -469,7 +467,8 @@ def test_gpu_bf16_gradients_no_worse_than_fla(lens):
     real = kda.chunk_kda
     try:
         kda.chunk_kda = lambda *a, backend, **kw: fla_chunk_kda(*a, **kw)  # gradients() calls kda.chunk_kda
-        theirs = gradients(case, "fla")
+        with fla_itself():
+            theirs = gradients(case, "fla")
     finally:
         kda.chunk_kda = real
     report = {n: (rel(ours[n], ref[n]), rel(theirs[n], ref[n])) for n in ref}

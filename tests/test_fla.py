@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kda
-from helpers import AUTO, DEVICE, cuda_ready, make_case, rel
+from helpers import AUTO, DEVICE, cuda_ready, fla_itself, make_case, rel
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
 
@@ -108,6 +109,22 @@ def test_fla_kda_off_switch(fla_kda, monkeypatch):
     assert not fla_registry()._backends["kda"].is_enabled()
     monkeypatch.setenv("FLA_KDA", "1")
     assert fla_registry()._backends["kda"].is_enabled()
+
+
+def test_fla_itself_turns_kda_off_and_fails_a_call_that_reached_kda(fla_kda, monkeypatch):
+    """helpers.fla_itself, which the tests "beside fla" call fla through: inside it fla's
+    dispatcher skips kda (registered here) and FlashKDA, whatever the environment said, and a
+    call that reached kda anyway fails the block."""
+    monkeypatch.setenv("FLA_KDA", "1")
+    monkeypatch.setenv("FLA_FLASH_KDA", "1")
+    backend = fla_registry()._backends["kda"]
+    with fla_itself():
+        assert not backend.is_enabled()
+        assert os.environ["FLA_FLASH_KDA"] == "0"
+    assert backend.is_enabled(), "the environment comes back after the block"
+    case = make_case(T=20, H=1, K=16, V=16, seed=45)
+    with pytest.raises(AssertionError, match="reached kda"), fla_itself():
+        kda.chunk_kda(*case.tensors(), **case.kwargs())  # what fla ran when kda was on
 
 
 def test_fla_decode_reaches_kda_on_cpu(fla_kda):

@@ -18,6 +18,7 @@ from helpers import (
     assert_close_fp64,
     assert_graph_replays_eager,
     assert_strictly_causal,
+    fla_itself,
     fp64_reference,
     make_case,
     rel,
@@ -200,13 +201,12 @@ def test_gpu_triton_matches_fp64_large(T, H, dtype, gate, D, seed):
 @pytest.mark.skipif(not fla_available, reason="fla (flash-linear-attention) is not installed")
 @pytest.mark.parametrize("lens", [[1024], [512, 300, 777]])
 def test_gpu_no_worse_than_fla(lens):
-    os.environ.setdefault("FLA_FLASH_KDA", "0")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     case = make_case(seq_lens=lens, H=8, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=12)
     kw = case.kwargs()
     o, ht = kda.chunk_kda(*case.tensors(), backend="triton", **kw)
-    with torch.inference_mode():
+    with torch.inference_mode(), fla_itself():
         o_fla, ht_fla = fla_chunk_kda(*case.tensors(), **kw)
     c64 = case.to(torch.float64)
     o_ref, ht_ref = kda.chunk_kda(*c64.tensors(), backend="torch", **c64.kwargs())

@@ -1,5 +1,5 @@
 """``kda bench``: the anchor cases, every available kda backend beside fla's ``chunk_kda``
-(``FLA_FLASH_KDA=0``) and FlashKDA when importable, same inputs, same process, median of
+(fla's own kernels: ``FLA_FLASH_KDA=0 FLA_KDA=0``) and FlashKDA when importable, same inputs, same process, median of
 ``triton.testing.do_bench``. Writes JSON, a Markdown table and a PNG plot."""
 
 from __future__ import annotations
@@ -51,6 +51,17 @@ FLASH_KDA_RATIO = {
 }
 D = 128
 COPY_TBPS_FALLBACK = 4.27
+# What makes fla's KDA entry points run fla's own Triton kernels, for a figure "beside fla": its
+# FlashKDA backend off, and kda's off too. fla reads both at every call; after
+# `kda.register_fla_backend()` in the same process (tests/test_fla.py leaves it registered for its
+# pytest worker) fla's chunk_kda would run kda, and a comparison with it would be kda's with itself
+# (run 177, 2026-12-06: the bf16 gradient test beside fla reached kda that way).
+FLA_OWN_KERNELS = {"FLA_FLASH_KDA": "0", "FLA_KDA": "0"}
+
+
+def fla_own_kernels() -> None:
+    """Make fla's KDA entry points run fla's own kernels in this process (:data:`FLA_OWN_KERNELS`)."""
+    os.environ.update(FLA_OWN_KERNELS)
 
 
 def kimi_gate_params(H: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +181,7 @@ def contenders() -> dict:
         if b.available and b.name != "torch":
             out[f"kda-{b.name}"] = lambda t, kw, name=b.name: kda.chunk_kda(*t, backend=name, **kw)
     if importlib.util.find_spec("fla") is not None:
-        os.environ["FLA_FLASH_KDA"] = "0"
+        fla_own_kernels()
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
         def fla_call(t, kw):
@@ -496,7 +507,7 @@ def train_contenders() -> dict:
     if kda.cuda.BACKEND.availability() is None:
         out["kda-cuda"] = lambda t, kw: kda.chunk_kda(*t, backend="cuda", **kw)
     if importlib.util.find_spec("fla") is not None:
-        os.environ["FLA_FLASH_KDA"] = "0"
+        fla_own_kernels()
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
         out["fla"] = lambda t, kw: fla_chunk_kda(*t, **kw)

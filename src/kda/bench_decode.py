@@ -12,13 +12,12 @@ default layout)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from kda.bench import report_header, write_report
+from kda.bench import fla_own_kernels, report_header, write_report
 from kda.clocks import ClockSampler
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
@@ -110,7 +109,7 @@ def contenders(mode: str) -> dict:
     if cuda_built():
         calls["kda_triton"] = lambda t, kw: kda_call(t, kw, backend="triton")
     if importlib.util.find_spec("fla") is not None:
-        os.environ["FLA_FLASH_KDA"] = "0"
+        fla_own_kernels()
         from fla.ops.kda import fused_recurrent_kda as fla_decode
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_pooled  # serving engines' entry
 
@@ -272,7 +271,7 @@ def prefill(seed: int = 3) -> dict:
     layouts, t, kw = prefill_inputs(seed)
     calls = {"kda": kda.chunk_kda}
     if importlib.util.find_spec("fla") is not None:
-        os.environ["FLA_FLASH_KDA"] = "0"
+        fla_own_kernels()
         from fla.ops.kda import chunk_kda as fla_chunk
 
         calls["fla"] = fla_chunk
