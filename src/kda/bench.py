@@ -1,6 +1,7 @@
 """``kda bench``: the anchor cases, every available kda backend beside fla's ``chunk_kda``
-(fla's own kernels: ``FLA_FLASH_KDA=0 FLA_KDA=0``) and FlashKDA when importable, same inputs, same process, median of
-``triton.testing.do_bench``. Writes JSON, a Markdown table and a PNG plot."""
+(fla's own kernels: ``FLA_FLASH_KDA=0 FLA_KDA=0``) and FlashKDA when importable, same inputs,
+same process, median of ``triton.testing.do_bench``. Writes JSON, a Markdown table and a PNG
+plot."""
 
 from __future__ import annotations
 
