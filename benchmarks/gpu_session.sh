@@ -29,7 +29,7 @@ step=${1:-all}
 # (a `cuda` or `wheel` step installs kda first and reports from the install: an info table here
 # would describe the tree without kernels, as the wheel runs' first table did)
 [[ $step == all || $step == *cuda* || $step == *wheel* ]] || python3 -m kda info
-# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / compare / variants / longprof / outsweep / chain / chainab / waves; several: "cuda bench".
+# steps: all, or one of cuda / quick / gaps / blocksab / bench / tune / train / trainprof / decode / long / tests / bigmem / compare / variants / longprof / outsweep / chain / chainab / waves; several: "cuda bench".
 # profile: host cProfile, ncu of K1/K2, K2 widths; sanitize: compute-sanitizer on the CUDA smoke case (SANITIZE_SCRIPT: another); quick: kda-cuda alone on the anchor cases (both need cuda first in the same call).
 # cuda (or wheel) runs first: it installs the package with its kernels and the later steps use that install.
 if [[ $step == all || $step == *cuda* ]]; then
@@ -149,6 +149,18 @@ fi
 if [[ $step == all || $step == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m kda bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; tail -30 "$OUT/bench.log"
 fi
+# The tests past 2^31 elements (20-125 GB each) after the rest, one process: beside 14 workers
+# they would find the memory taken (tests/test_past_int32.py; 44 s on an H100, run 165). The
+# `tests` step runs them after the suite (BIGMEM=0 leaves them out); the `bigmem` step runs them
+# alone, so that an H200 call can pair the 125 GB case with other work (2026-12-06).
+run_bigmem() {
+  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${BIGMEM_TIMEOUT:-150} python3 -m pytest -v -rfE ${TESTS:-tests} \
+    -m bigmem -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=10 > "$OUT/pytest-bigmem.log" 2>&1
+  grep -E "FAILED|ERROR|SKIPPED|passed|failed|deselected" "$OUT/pytest-bigmem.log" | grep -v PASSED | head -20
+}
+if [[ " $step " == *" bigmem "* ]]; then
+  run_bigmem
+fi
 if [[ $step == all || $step == *tests* ]]; then
   # -v: each result is logged as it lands (a run cut short still says what passed); --timeout: one
   # stuck test fails alone (pytest-timeout is in the GPU image). 420 s: the whole suite took 340 s with
@@ -158,16 +170,10 @@ if [[ $step == all || $step == *tests* ]]; then
   KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -n ${WORKERS:-8} --dist ${DIST:-worksteal} ${TESTS:-tests} \
     -m "not bigmem" -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=15 > "$OUT/pytest-gpu.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed|gradient rel RMS|kda o" "$OUT/pytest-gpu.log" | grep -v PASSED | head -30
-  # The tests past 2^31 elements (20-60 GB each) after the rest, one process: beside 14 workers
-  # they would find the memory taken (tests/test_past_int32.py; 44 s on an H100, run 165).
-  # BIGMEM=0 leaves them out. The two limits together must stay under the device tool's 600 s a
-  # command (past it the call is killed before this script's exit trap packs the logs): a
-  # whole-suite call sets TEST_TIMEOUT to about 420 or runs the halves in two calls.
-  if [[ ${BIGMEM:-1} == 1 ]]; then
-    KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${BIGMEM_TIMEOUT:-150} python3 -m pytest -v -rfE ${TESTS:-tests} \
-      -m bigmem -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=10 > "$OUT/pytest-bigmem.log" 2>&1
-    grep -E "FAILED|ERROR|SKIPPED|passed|failed|deselected" "$OUT/pytest-bigmem.log" | grep -v PASSED | head -20
-  fi
+  # The two limits together must stay under the device tool's 600 s a command (past it the call
+  # is killed before this script's exit trap packs the logs): a whole-suite call sets TEST_TIMEOUT
+  # to about 420 or runs the halves in two calls.
+  [[ ${BIGMEM:-1} == 1 ]] && run_bigmem
 fi
 if [[ $step == all || $step == *compare* ]]; then
   timeout 120 python3 -m kda compare > "$OUT/compare.log" 2>&1; tail -5 "$OUT/compare.log"
