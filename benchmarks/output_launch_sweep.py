@@ -35,6 +35,10 @@ LAUNCHES = [
         dict(heads_first=True), dict(tiles=4, heads_first=True), dict(tiles=8, stages=2, heads_first=True),
         dict(v_parts=2), dict(v_parts=2, warps=4), dict(tiles=4, v_parts=2, warps=4),
         dict(tiles=8, stages=2, v_parts=2, warps=4), dict(tiles=4, warps=4), dict(tiles=8, stages=2, warps=4),
+        # More tiles in flight for the H200, which needs more bytes in flight than the H100 that chose the
+        # default (2026-12-06): three stages fit in shared memory only with V in two parts (48 KB a stage).
+        dict(tiles=8, stages=3, v_parts=2, warps=4), dict(tiles=8, stages=3, v_parts=2, warps=8, heads_first=True),
+        dict(tiles=16, stages=3, v_parts=2, warps=4, heads_first=True),
     )
 ]  # fmt: skip
 
