@@ -36,7 +36,8 @@ LAUNCHES = [
         dict(v_parts=2), dict(v_parts=2, warps=4), dict(tiles=4, v_parts=2, warps=4),
         dict(tiles=8, stages=2, v_parts=2, warps=4), dict(tiles=4, warps=4), dict(tiles=8, stages=2, warps=4),
         # More tiles in flight for the H200, which needs more bytes in flight than the H100 that chose the
-        # default (2026-12-06): three stages fit in shared memory only with V in two parts (48 KB a stage).
+        # default (2026-12-06): three stages of whole-V tiles ran out of shared memory in run 151; with V
+        # in two parts a stage's tiles are 48 KB, not 64 (not yet compiled on a GPU).
         dict(tiles=8, stages=3, v_parts=2, warps=4), dict(tiles=8, stages=3, v_parts=2, warps=8, heads_first=True),
         dict(tiles=16, stages=3, v_parts=2, warps=4, heads_first=True),
     )
