@@ -236,7 +236,10 @@ GRAD_BAR = 1e-2  # the same backend on the window alone: its own rounding apart 
 def window_gradients(case: Case, backend: str, rows: list[tuple[int, int, torch.Tensor]], states) -> dict:
     """Gradients of ``sum(o[:, a:b] * do) + sum(final_state[n] * dht)`` (``rows``: (a, b, do);
     ``states``: (n, dht)) with respect to every input of ``case``, by ``backend``."""
-    inputs = {name: getattr(case, name).detach().clone().requires_grad_() for name in GRAD_INPUTS}
+    # Leaves over the case's own storage, not copies: at 2^21 tokens a copy of the four inputs is
+    # 17 GB, and with it the "inputs" size needed about 145 GiB, past an H200's 139.8 (run 180,
+    # 2026-12-06: out of memory at the local gradients' 26.5 GB scratch). Nothing writes them.
+    inputs = {name: getattr(case, name).detach().requires_grad_() for name in GRAD_INPUTS}
     kw = case.kwargs(**{name: inputs[name] for name in ("initial_state", "A_log", "dt_bias")})
     o, ht = kda.chunk_kda(*(inputs[name] for name in ("q", "k", "v", "g", "beta")), backend=backend, **kw)
     loss = sum((o[:, a:b].float() * do).sum() for a, b, do in rows)
@@ -247,9 +250,10 @@ def window_gradients(case: Case, backend: str, rows: list[tuple[int, int, torch.
 # Training's two sizes: the long sequence's tokens, and the GPU memory the call takes with room.
 # "state": 2^18 tokens, so the per-chunk state gradients pass 2^31 elements and the inputs do not.
 # "inputs": 2^21 tokens, the inputs past 2^31 as well: the checkpoints (float32, 17 GB), the state
-# gradients (bf16, 34 GB), K1's workspace (15 GB), four inputs and their gradients (34 GB) and
-# the forward's o and its gradient take about 110 GB, so only a GPU of 125 GB or more runs it
-# (an H200: 2026-12-06).
+# gradients (bf16, 34 GB), K1's workspace (15 GB), four inputs and their gradients (34 GB), the
+# forward's o and its gradient, and the local gradients' float32 scratch (26.5 GB, left out of the
+# first estimate): run 180 (an H200) ran out of memory near 145 GiB with the inputs copied; without the
+# copy about 129 GiB by this count, not yet run (2026-12-06). So only a GPU of 125 GB or more runs it.
 GRAD_SIZES = {"state": (PAST // (8 * 8 * D), 40), "inputs": (PAST // (8 * D), 125)}
 
 
