@@ -4,8 +4,6 @@ Times kda.triton.chunk_forward variants on two anchor cases beside fla, and thei
 against fp64 on the anchors' accuracy case. Prints a table; notes go to benchmarks/NOTES.md.
 """
 
-import os
-
 import torch
 import triton.testing
 
@@ -28,7 +26,6 @@ def outputs(p):
 
 
 def main():
-    os.environ["FLA_FLASH_KDA"] = "0"
     calls = bench.contenders()
     fla = calls.get("fla")
     print("| variant | case | ms | / fla | o err | state err |")
