@@ -11,6 +11,8 @@ import dataclasses
 import importlib
 import importlib.util
 import pkgutil
+import sys
+import weakref
 
 import pytest
 import torch
@@ -424,6 +426,54 @@ def test_compile_fullgraph_trains_a_two_layer_model():
     eager = train_losses(model, "torch", steps=2)
     for a, b in zip(compiled, eager):
         assert abs(a - b) <= 1e-5 * abs(b), (compiled, eager)
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
+def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypatch, backend):
+    """The backward's memory order (2026-12-06): the per-chunk state gradients (2 KB a token and
+    value head) are freed once their last reader, the state products, is queued, and dq, dk, dg
+    and dbeta are allocated after that, so they never sit beside them (the backward's peak).
+    Watched through the two halves of the local gradients: at the products, of the input
+    gradients only dv exists; at the prepare stage backwards, nothing holds ``dstates`` (a weak
+    reference to it is dead); and the gradients are the unwatched call's bit for bit. On "cuda"
+    (a GPU) the CUDA chain and state products run, whose launcher also held it."""
+    import kda.triton.training as training
+    from kda.triton import chunk_grad
+
+    if backend == "cuda":
+        case = make_case(seq_lens=[100, 33], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=61)
+    else:
+        case = make_case(seq_lens=[40, 1, 23], H=2, K=16, V=16, seed=61, device=DEVICE)
+    events, seen = [], {}
+    empty_like = torch.empty_like
+
+    def allocate(x, *args, **kwargs):  # the backward's allocations of input gradients, in order
+        caller = sys._getframe(1)  # (a comprehension in the backward has a frame of its own before 3.12)
+        if training.backward.__code__ in (caller.f_code, caller.f_back.f_code):
+            events.append("gradient")
+        return empty_like(x, *args, **kwargs)
+
+    def products(p, tables, ws, do, checkpoints, dstates, dv, *args):
+        events.append("products")
+        seen["dstates"] = weakref.ref(dstates)
+        return chunk_grad.local_products(p, tables, ws, do, checkpoints, dstates, dv, *args)
+
+    def inputs(p, tables, ws, scratch, grads, dot_precision):
+        events.append("inputs")
+        seen["alive at the input gradients"] = seen["dstates"]() is not None
+        return chunk_grad.input_grads(p, tables, ws, scratch, grads, dot_precision)
+
+    want = gradients(case, backend)
+    monkeypatch.setattr(training, "local_products", products)
+    monkeypatch.setattr(training, "input_grads", inputs)
+    monkeypatch.setattr(torch, "empty_like", allocate)
+    got = gradients(case, backend)
+    monkeypatch.undo()
+    # dv, the products, then dq, dk, dg, dbeta, then the prepare stage backwards
+    assert events == ["gradient", "products"] + ["gradient"] * 4 + ["inputs"], events
+    assert seen["alive at the input gradients"] is False, "the state gradients outlived their last reader"
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 # ----------------------------------------------------------------------------- GPU only

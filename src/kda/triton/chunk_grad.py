@@ -631,20 +631,40 @@ def scratch_views(scratch: torch.Tensor, NC: int, HV: int, BK: int) -> tuple[tor
 def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                 dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str,
                 k1_layout: bool = False, cuda_products=None) -> None:  # fmt: skip
-    """Launch the local gradients: the state products per (chunk, value head), then the prepare
-    stage backwards per (chunk, q/k head). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs'
-    shapes, and the per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where
-    the gate has them). Between the two, float32 scratch holds the operand gradients (3 x 16 x
-    BK + 2 x 16 x 16 + BK values per chunk and value head). ``ws`` is the Triton prepare stage's
-    workspace, or with ``k1_layout`` K1's as ``kda.cuda.training.k1_operands`` views it (bf16,
-    K = V = 128). ``cuda_products``: a callable ``(scratch, dv)`` writing the state products in
-    place of :func:`state_products` (kda.cuda.training.state_products), or None."""
+    """Launch the local gradients: the state products per (chunk, value head)
+    (:func:`local_products`), then the prepare stage backwards per (chunk, q/k head)
+    (:func:`input_grads`). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs' shapes, and the
+    per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where the gate has them).
+    ``ws`` is the Triton prepare stage's workspace, or with ``k1_layout`` K1's as
+    ``kda.cuda.training.k1_operands`` views it (bf16, K = V = 128). ``cuda_products``: a callable
+    ``(scratch, dv)`` writing the state products in place of :func:`state_products`
+    (kda.cuda.training.state_products), or None. (The training backward calls the two halves
+    itself, to free ``dstates`` between them.)"""
+    scratch = local_products(p, tables, ws, do, checkpoints, dstates, grads["v"], mixed, dot_precision, k1_layout,
+                             cuda_products)  # fmt: skip
+    input_grads(p, tables, ws, scratch, grads, dot_precision)
+
+
+def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
+                   dstates: torch.Tensor, dv: torch.Tensor, mixed: bool, dot_precision: str,
+                   k1_layout: bool = False, cuda_products=None) -> torch.Tensor:  # fmt: skip
+    """The first half of :func:`chunk_grads`: writes ``dv`` and returns the float32 scratch of the
+    operand gradients (3 x 16 x BK + 2 x 16 x 16 + BK values per chunk and value head,
+    :func:`scratch_views`), the last reader of ``dstates`` and ``checkpoints``."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     scratch = p.q.new_empty(scratch_numel(NC, HV, BK), dtype=torch.float32)
     if cuda_products is not None:
-        cuda_products(scratch, grads["v"])
+        cuda_products(scratch, dv)
     else:
-        state_products(p, tables, ws, do, checkpoints, dstates, mixed, dot_precision, k1_layout, scratch, grads["v"])
+        state_products(p, tables, ws, do, checkpoints, dstates, mixed, dot_precision, k1_layout, scratch, dv)
+    return scratch
+
+
+def input_grads(p, tables, ws: dict[str, torch.Tensor], scratch: torch.Tensor, grads: dict[str, torch.Tensor],
+                dot_precision: str) -> None:  # fmt: skip
+    """The second half of :func:`chunk_grads`: the prepare stage backwards from
+    :func:`local_products`' ``scratch``; writes ``grads`` q, k, g, beta and the gate's partials."""
+    NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands, d_squares, d_gamma = scratch_views(scratch, NC, HV, BK)
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
     safe = safe_gate_path(p)

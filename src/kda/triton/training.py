@@ -18,7 +18,7 @@ import torch
 from kda.dispatch import log_once, note
 from kda.tables import checkpoint_rows, chunk_tables
 from kda.triton import chunk_forward, precision_for
-from kda.triton.chunk_grad import chunk_grads, input_grad_slices
+from kda.triton.chunk_grad import input_grad_slices, input_grads, local_products
 from kda.triton.common import safe_gate_path
 from kda.triton.prepare import prepare_chunks
 from kda.triton.state_grad import state_grad_chain
@@ -76,13 +76,8 @@ def backward(
     may too (:func:`cuda_chain_refusal`)."""
     workspace_dtype, dot_precision, mixed = precision_for(p.q.dtype)
     tables = chunk_tables(p)
-    grads: dict[str, torch.Tensor | None] = {
-        "q": torch.empty_like(p.q),
-        "k": torch.empty_like(p.k),
-        "v": torch.empty_like(p.v),
-        "g": torch.empty_like(p.g),
-        "beta": torch.empty_like(p.beta),
-    }
+    # dv now, the other input gradients once the per-chunk state gradients are freed (below)
+    grads: dict[str, torch.Tensor | None] = {"v": torch.empty_like(p.v)}
     NC, HV = tables.num_chunks, p.HV
     A_log_part = dt_bias_part = None
     if p.A_log is not None:
@@ -117,8 +112,17 @@ def backward(
             state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
             note("triton:state_grad_chain")
         if NC:
-            chunk_grads(p, tables, ws, do, checkpoints, dstates, grads, mixed, dot_precision, k1_layout, products)
-            note("triton:chunk_grads")
+            scratch = local_products(
+                p, tables, ws, do, checkpoints, dstates, grads["v"], mixed, dot_precision, k1_layout, products
+            )
+        # The state gradients' last reader has been queued: freed here (stream-ordered), the
+        # input gradients take their memory, not more. At 2^21 tokens and H8 that is 34 GB
+        # held against 13 allocated; the backward's peak (the state products) is 13 GB lower.
+        del dstates, products
+    grads |= {name: torch.empty_like(getattr(p, name)) for name in ("q", "k", "g", "beta")}
+    if p.N * HV and NC:
+        input_grads(p, tables, ws, scratch, grads, dot_precision)
+        note("triton:chunk_grads")
     if A_log_part is not None:
         grads["A_log"] = A_log_part.sum((0, 2))
     if dt_bias_part is not None:
