@@ -154,9 +154,9 @@ fi
 # `tests` step runs them after the suite (BIGMEM=0 leaves them out); the `bigmem` step runs them
 # alone, so that an H200 call can pair the 125 GB case with other work (2026-12-06).
 run_bigmem() {
-  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${BIGMEM_TIMEOUT:-150} python3 -m pytest -v -rfE ${TESTS:-tests} \
+  KDA_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=$TESTS_TRITON_CACHE_DIR timeout ${BIGMEM_TIMEOUT:-150} python3 -m pytest -v -rfEP ${TESTS:-tests} \
     -m bigmem -p no:cacheprovider --timeout ${PER_TEST_TIMEOUT:-200} --durations=10 > "$OUT/pytest-bigmem.log" 2>&1
-  grep -E "FAILED|ERROR|SKIPPED|passed|failed|deselected" "$OUT/pytest-bigmem.log" | grep -v PASSED | head -20
+  grep -E "FAILED|ERROR|SKIPPED|passed|failed|deselected|training peak" "$OUT/pytest-bigmem.log" | grep -v PASSED | head -24
 }
 if [[ " $step " == *" bigmem "* ]]; then
   run_bigmem
