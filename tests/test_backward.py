@@ -431,12 +431,14 @@ def test_compile_fullgraph_trains_a_two_layer_model():
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
 def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypatch, backend):
     """The backward's memory order (2026-12-06): the per-chunk state gradients (2 KB a token and
-    value head) are freed once their last reader, the state products, is queued, and dq, dk, dg
-    and dbeta are allocated after that, so they never sit beside them (the backward's peak).
-    Watched through the two halves of the local gradients: at the products, of the input
-    gradients only dv exists; at the prepare stage backwards, nothing holds ``dstates`` (a weak
-    reference to it is dead); and the gradients are the unwatched call's bit for bit. On "cuda"
-    (a GPU) the CUDA chain and state products run, whose launcher also held it."""
+    value head) and the workspace (but its far-row flags) are freed once their last reader, the
+    state products, is queued, and dq, dk, dg and dbeta are allocated after that, so they never
+    sit beside them (the backward's peak). Watched through the two halves of the local gradients
+    and the backward's ``torch.empty_like`` calls: at the products, of the input gradients only
+    dv exists; at each later allocation nothing holds the state gradients or the workspace (weak
+    references to them are dead) and, on a GPU, the allocated bytes have fallen by theirs (less
+    the scratch); the gradients are the unwatched call's bit for bit. On "cuda" (a GPU) K1, the
+    CUDA chain and the CUDA state products run, whose launcher also held both."""
     import kda.triton.training as training
     from kda.triton import chunk_grad
 
@@ -444,24 +446,36 @@ def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypat
         case = make_case(seq_lens=[100, 33], H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=61)
     else:
         case = make_case(seq_lens=[40, 1, 23], H=2, K=16, V=16, seed=61, device=DEVICE)
+    on_gpu = case.q.is_cuda
     events, seen = [], {}
     empty_like = torch.empty_like
 
     def allocate(x, *args, **kwargs):  # the backward's allocations of input gradients, in order
-        caller = sys._getframe(1)  # (a comprehension in the backward has a frame of its own before 3.12)
-        if training.backward.__code__ in (caller.f_code, caller.f_back.f_code):
+        caller = sys._getframe(1)  # (before 3.12 the backward's dict comprehension has a frame of its own)
+        if caller.f_code.co_name == "<dictcomp>":
+            caller = caller.f_back
+        if caller.f_code is training.backward.__code__:
             events.append("gradient")
+            if "products" in events:
+                alive = [name for name, ref in seen["refs"].items() if ref() is not None]
+                freed = seen["before"] - torch.cuda.memory_allocated() if on_gpu else None
+                seen.setdefault("at the input gradients", (alive, freed))
         return empty_like(x, *args, **kwargs)
 
     def products(p, tables, ws, do, checkpoints, dstates, dv, *args):
         events.append("products")
-        seen["dstates"] = weakref.ref(dstates)
-        return chunk_grad.local_products(p, tables, ws, do, checkpoints, dstates, dv, *args)
+        owners = {"state gradients": dstates} | {f"workspace {n}": ws[n] for n in ws if n != "far"}
+        seen["refs"] = {name: weakref.ref(x) for name, x in owners.items()}
+        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in owners.values()}
+        if on_gpu:
+            seen["before"] = torch.cuda.memory_allocated()
+        scratch = chunk_grad.local_products(p, tables, ws, do, checkpoints, dstates, dv, *args)
+        seen["expected"] = sum(storages.values()) - scratch.untyped_storage().nbytes()
+        return scratch
 
-    def inputs(p, tables, ws, scratch, grads, dot_precision):
+    def inputs(p, tables, far, scratch, grads, dot_precision):
         events.append("inputs")
-        seen["alive at the input gradients"] = seen["dstates"]() is not None
-        return chunk_grad.input_grads(p, tables, ws, scratch, grads, dot_precision)
+        return chunk_grad.input_grads(p, tables, far, scratch, grads, dot_precision)
 
     want = gradients(case, backend)
     monkeypatch.setattr(training, "local_products", products)
@@ -471,7 +485,10 @@ def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypat
     monkeypatch.undo()
     # dv, the products, then dq, dk, dg, dbeta, then the prepare stage backwards
     assert events == ["gradient", "products"] + ["gradient"] * 4 + ["inputs"], events
-    assert seen["alive at the input gradients"] is False, "the state gradients outlived their last reader"
+    alive, freed = seen["at the input gradients"]
+    assert not alive, f"alive at the input gradients' allocation: {alive}"
+    if on_gpu:  # (the caching allocator's counts: blocks of 512 B)
+        assert freed >= seen["expected"] - (1 << 20), (freed, seen["expected"])
     for name in want:
         assert torch.equal(got[name], want[name]), name
 

@@ -642,7 +642,7 @@ def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkp
     itself, to free ``dstates`` between them.)"""
     scratch = local_products(p, tables, ws, do, checkpoints, dstates, grads["v"], mixed, dot_precision, k1_layout,
                              cuda_products)  # fmt: skip
-    input_grads(p, tables, ws, scratch, grads, dot_precision)
+    input_grads(p, tables, ws.get("far"), scratch, grads, dot_precision)
 
 
 def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
@@ -650,7 +650,8 @@ def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, che
                    k1_layout: bool = False, cuda_products=None) -> torch.Tensor:  # fmt: skip
     """The first half of :func:`chunk_grads`: writes ``dv`` and returns the float32 scratch of the
     operand gradients (3 x 16 x BK + 2 x 16 x 16 + BK values per chunk and value head,
-    :func:`scratch_views`), the last reader of ``dstates`` and ``checkpoints``."""
+    :func:`scratch_views`), the last reader of ``dstates``, ``checkpoints`` and of ``ws`` but its
+    far-row flags."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     scratch = p.q.new_empty(scratch_numel(NC, HV, BK), dtype=torch.float32)
     if cuda_products is not None:
@@ -660,10 +661,12 @@ def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, che
     return scratch
 
 
-def input_grads(p, tables, ws: dict[str, torch.Tensor], scratch: torch.Tensor, grads: dict[str, torch.Tensor],
+def input_grads(p, tables, far: torch.Tensor | None, scratch: torch.Tensor, grads: dict[str, torch.Tensor],
                 dot_precision: str) -> None:  # fmt: skip
     """The second half of :func:`chunk_grads`: the prepare stage backwards from
-    :func:`local_products`' ``scratch``; writes ``grads`` q, k, g, beta and the gate's partials."""
+    :func:`local_products`' ``scratch``; writes ``grads`` q, k, g, beta and the gate's partials.
+    Of the workspace it reads only ``far`` (the Triton prepare stage's far-row flags, where the
+    gate is not the safe one): it recomputes the prepare stage itself."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     d_operands, d_squares, d_gamma = scratch_views(scratch, NC, HV, BK)
     gate = {"precomputed": 0, "lower_bound": 1, "softplus": 2}[p.gate_form]
@@ -673,7 +676,7 @@ def input_grads(p, tables, ws: dict[str, torch.Tensor], scratch: torch.Tensor, g
             p.q, p.k, p.g, p.beta, p.A_log, p.dt_bias,
             tables.seq_offsets, tables.chunk_offsets, tables.chunk_seq,
             d_operands, d_squares, d_gamma,
-            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), ws.get("far"),
+            grads["q"], grads["k"], grads["g"], grads["beta"], grads.get("A_log"), grads.get("dt_bias"), far,
             p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
             p.H, HV, p.K, BK=BK, SLICE=input_grad_slice(BK),
             GATE=gate, HAS_A_LOG=p.A_log is not None, HAS_DT_BIAS=p.dt_bias is not None,

@@ -106,22 +106,28 @@ def backward(
                 products = partial(cuda_state_products, p, do, checkpoints, dstates, workspace, tables)
             else:
                 log_once("chunk_kda backward: K1 and the reverse chain on cuda, the rest on triton")
+            del workspace  # (held by ws's views and the products' launcher until they go, below)
         else:
             ws = prepare_chunks(p, tables, workspace_dtype, dot_precision)
             note("triton:prepare_chunks")
             state_grad_chain(p, tables, ws, do, dht, dh0, dstates, mixed, dot_precision)
             note("triton:state_grad_chain")
+            del ws["q_decayed"]  # (the chain's alone: 256 B a token and value head off the products' peak)
         if NC:
             scratch = local_products(
                 p, tables, ws, do, checkpoints, dstates, grads["v"], mixed, dot_precision, k1_layout, products
             )
-        # The state gradients' last reader has been queued: freed here (stream-ordered), the
-        # input gradients take their memory, not more. At 2^21 tokens and H8 that is 34 GB
-        # held against 13 allocated; the backward's peak (the state products) is 13 GB lower.
-        del dstates, products
+        # The state products, the last reader of the state gradients and of the workspace but its
+        # far-row flags, are queued: both are freed here (in stream order: only work queued after
+        # them on this stream gets their blocks), and dq, dk, dg, dbeta are allocated after, so
+        # the backward's peak, the products, no longer holds them (13 GB at 2^21 tokens and H8),
+        # and the prepare stage backwards (with a cold autotune cache, the tuner's copy of the
+        # scratch too) stays below it.
+        far = ws.get("far")
+        del dstates, products, ws
     grads |= {name: torch.empty_like(getattr(p, name)) for name in ("q", "k", "g", "beta")}
     if p.N * HV and NC:
-        input_grads(p, tables, ws, scratch, grads, dot_precision)
+        input_grads(p, tables, far, scratch, grads, dot_precision)
         note("triton:chunk_grads")
     if A_log_part is not None:
         grads["A_log"] = A_log_part.sum((0, 2))
