@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (2026-12-06): on an H200, the tests past 2^31 elements, among them the training
 # case whose inputs pass 2^31 (it runs only on a GPU of 125 GB or more; run 180 ran it out of
-# memory, and without the test's copy of its inputs it should take about 129 GiB), then the K1
-# candidates' A/B in one round (k1_candidates_call.sh; K1 is instruction-bound only on an H200).
+# memory; without the test's copy of its inputs and with e2a9e96's order it should take about
+# 117 GiB), then the K1 candidates' A/B in one round (k1_candidates_call.sh; K1 is
+# instruction-bound only on an H200).
 # On an H100: six_call.sh's branch for it (the whole suite).
 # Carries: .whl, .kernels and the five K1 candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
 set -uo pipefail

@@ -13,9 +13,10 @@ writer and reader of an internal tensor, such as K1's workspace, compute alike i
 it overwrites live data or faults.)
 
 Marked ``bigmem``: 20 to 60 GB of GPU memory a case (the prefill cases about 50: four bf16 inputs
-of 4.3 GB, the CUDA workspace of 15 GB, the split's two output runs), and about 130 GB for the
-training step whose inputs pass 2^31 (GRAD_SIZES), one at a time under a file
-lock, so a parallel run (pytest -n) runs them in turn; skipped with the reason on a smaller GPU."""
+of 4.3 GB, the CUDA workspace of 15 GB, the split's two output runs), and about 125 GB (117 GiB by
+count since e2a9e96) for the training step whose inputs pass 2^31 (GRAD_SIZES), one at a time
+under a file lock, so a parallel run (pytest -n) runs them in turn; skipped with the reason on a
+smaller GPU."""
 
 from __future__ import annotations
 
