@@ -677,10 +677,10 @@ def k1_workspace(ws: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_local_gradient_kernels_read_k1s_workspace():
-    """chunk_grads on K1's workspace (K1_LAYOUT: the CUDA reverse chain's backward, read through
-    kda.cuda.training.k1_operands) gives the gradients it gives on the Triton prepare stage's
-    workspace holding the same values (M rounded to bf16, inverse_beta as its two bf16 parts,
-    dS with its rows swizzled as the CUDA chain writes them);
+    """The local gradients (local_products, input_grads) on K1's workspace (K1_LAYOUT: the CUDA
+    reverse chain's backward, read through kda.cuda.training.k1_operands) give the gradients they
+    give on the Triton prepare stage's workspace holding the same values (M rounded to bf16,
+    inverse_beta as its two bf16 parts, dS with its rows swizzled as the CUDA chain writes them);
     on the unrounded workspace it differs by M's bf16 rounding (printed); a misread field (the
     unswizzled tiles, or inverse_beta without its remainder) is far off."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed (kda.cuda.loader)")
@@ -688,7 +688,7 @@ def test_local_gradient_kernels_read_k1s_workspace():
     from kda.cuda.training import dstates_row_major, k1_operands
     from kda.tables import chunk_tables
     from kda.triton import precision_for
-    from kda.triton.chunk_grad import chunk_grads, input_grad_slices
+    from kda.triton.chunk_grad import input_grad_slices, input_grads, local_products
     from kda.triton.prepare import prepare_chunks
     from kda.triton.state_grad import state_grad_chain
     from kda.triton.training import train_forward
@@ -713,7 +713,9 @@ def test_local_gradient_kernels_read_k1s_workspace():
         grads |= dict(dt_bias=p.q.new_zeros(tables.num_chunks, p.HV, p.K, dtype=torch.float32))
         # K1's layout goes with the CUDA chain's dS, rows swizzled (the swizzle is its own inverse)
         ds = dstates_row_major(dstates) if k1_layout else dstates
-        chunk_grads(p, tables, workspace, do, checkpoints, ds, grads, mixed, dot_precision, k1_layout)
+        scratch = local_products(p, tables, workspace, do, checkpoints, ds, grads["v"], mixed, dot_precision,
+                                 k1_layout)  # fmt: skip
+        input_grads(p, tables, workspace.get("far"), scratch, grads, dot_precision)
         return grads
 
     hi = ws["inverse_beta"].to(torch.bfloat16)

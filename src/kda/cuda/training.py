@@ -109,7 +109,7 @@ def state_grad_chain(
 
 def product_scratch_numel(num_chunks: int, heads: int) -> int:
     """Float32 elements of the scratch :func:`state_products` writes (and the Triton
-    local-gradient kernels share, kda.triton.chunk_grad.chunk_grads): dQ~, dw, dK^ ``[3,
+    local-gradient kernels share, kda.triton.chunk_grad.local_products): dQ~, dw, dK^ ``[3,
     num_chunks, H, 16, 128]``, dU V^T and dO V^T ``[2, num_chunks, H, 16, 16]``, dgamma
     ``[num_chunks, H, 128]``, back to back (kda.triton.chunk_grad.scratch_views)."""
     from kda.triton.chunk_grad import scratch_numel

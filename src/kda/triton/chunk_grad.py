@@ -586,7 +586,7 @@ def chunk_input_grads_kernel(
 def state_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                    dstates: torch.Tensor, mixed: bool, dot_precision: str, k1_layout: bool,
                    scratch: torch.Tensor, dv: torch.Tensor) -> None:  # fmt: skip
-    """The state and dU kernels: ``scratch`` (float32, the layout :func:`chunk_grads` views: the
+    """The state and dU kernels: ``scratch`` (float32, the layout :func:`local_products` returns: the
     operand gradients [3, NC, HV, 16, BK], the squares [2, NC, HV, 16, 16], dgamma [NC, HV,
     BK]) and ``dv``. With ``k1_layout``, ``ws`` is K1's workspace and ``dstates`` the CUDA
     chain's (rows swizzled, kda.cuda.training.dstates_row_major). kda.cuda.training.state_products
@@ -628,30 +628,17 @@ def scratch_views(scratch: torch.Tensor, NC: int, HV: int, BK: int) -> tuple[tor
     )
 
 
-def chunk_grads(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
-                dstates: torch.Tensor, grads: dict[str, torch.Tensor], mixed: bool, dot_precision: str,
-                k1_layout: bool = False, cuda_products=None) -> None:  # fmt: skip
-    """Launch the local gradients: the state products per (chunk, value head)
-    (:func:`local_products`), then the prepare stage backwards per (chunk, q/k head)
-    (:func:`input_grads`). Writes ``grads`` (dq, dk, dv, dg, dbeta in the inputs' shapes, and the
-    per-chunk partials dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where the gate has them).
-    ``ws`` is the Triton prepare stage's workspace, or with ``k1_layout`` K1's as
-    ``kda.cuda.training.k1_operands`` views it (bf16, K = V = 128). ``cuda_products``: a callable
-    ``(scratch, dv)`` writing the state products in place of :func:`state_products`
-    (kda.cuda.training.state_products), or None. (The training backward calls the two halves
-    itself, to free ``dstates`` between them.)"""
-    scratch = local_products(p, tables, ws, do, checkpoints, dstates, grads["v"], mixed, dot_precision, k1_layout,
-                             cuda_products)  # fmt: skip
-    input_grads(p, tables, ws.get("far"), scratch, grads, dot_precision)
-
-
 def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, checkpoints: torch.Tensor,
                    dstates: torch.Tensor, dv: torch.Tensor, mixed: bool, dot_precision: str,
                    k1_layout: bool = False, cuda_products=None) -> torch.Tensor:  # fmt: skip
-    """The first half of :func:`chunk_grads`: writes ``dv`` and returns the float32 scratch of the
-    operand gradients (3 x 16 x BK + 2 x 16 x 16 + BK values per chunk and value head,
-    :func:`scratch_views`), the last reader of ``dstates``, ``checkpoints`` and of ``ws`` but its
-    far-row flags."""
+    """The local gradients' first half, per (chunk, value head): the state products. Writes ``dv``
+    and returns the float32 scratch of the operand gradients (3 x 16 x BK + 2 x 16 x 16 + BK
+    values per chunk and value head, :func:`scratch_views`) that :func:`input_grads` reads; the
+    last reader of ``dstates``, ``checkpoints`` and of ``ws`` but its far-row flags (the training
+    backward frees them between the halves). ``ws`` is the Triton prepare stage's workspace, or
+    with ``k1_layout`` K1's as ``kda.cuda.training.k1_operands`` views it (bf16, K = V = 128).
+    ``cuda_products``: a callable ``(scratch, dv)`` writing the state products in place of
+    :func:`state_products` (kda.cuda.training.state_products), or None."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
     scratch = p.q.new_empty(scratch_numel(NC, HV, BK), dtype=torch.float32)
     if cuda_products is not None:
@@ -663,8 +650,9 @@ def local_products(p, tables, ws: dict[str, torch.Tensor], do: torch.Tensor, che
 
 def input_grads(p, tables, far: torch.Tensor | None, scratch: torch.Tensor, grads: dict[str, torch.Tensor],
                 dot_precision: str) -> None:  # fmt: skip
-    """The second half of :func:`chunk_grads`: the prepare stage backwards from
-    :func:`local_products`' ``scratch``; writes ``grads`` q, k, g, beta and the gate's partials.
+    """The local gradients' second half, per (chunk, q/k head): the prepare stage backwards from
+    :func:`local_products`' ``scratch``. Writes ``grads`` q, k, g, beta and the per-chunk partials
+    dA_log [NC, HV, slices of K], dt_bias [NC, HV, K] where the gate has them.
     Of the workspace it reads only ``far`` (the Triton prepare stage's far-row flags, where the
     gate is not the safe one): it recomputes the prepare stage itself."""
     NC, HV, BK = tables.num_chunks, p.HV, tables.BK
