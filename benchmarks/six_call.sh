@@ -18,9 +18,6 @@ if [[ $card != *H200* ]]; then
 fi
 # (K1 first: run 99's six CTAs of another form lost 1-2% from N=256 on, on the H200)
 K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-290} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} bash benchmarks/k1_candidates_call.sh
-timeout 150 env DECODE_AB_DIRS=".kernels .kernels-six" DECODE_AB_SIZES="32 256 1024" DECODE_AB_WIDTHS="bfloat16:128" \
-  OUT=$OUT bash benchmarks/gpu_session.sh decodeab 2>&1 | tail -12
-# (the six-CTA build's tests last: they count only if it wins, and the A/Bs come back if they are cut)
-timeout 120 env KERNELS=.kernels-six TESTS="tests/test_cuda_decode.py tests/test_pools.py" BIGMEM=0 WORKERS=14 \
-  TEST_TIMEOUT=110 OUT=$OUT/six-tests bash benchmarks/gpu_session.sh tests 2>&1 | tail -6
-tar czf "$OUT/six-tests.tgz" -C "$OUT" six-tests && rm -rf "$OUT/six-tests"
+# The decode A/B, then the six-CTA build's tests (last: they count only if it wins, and the A/B
+# comes back if they are cut): h200_followup.sh's, without its outputs' launch sweep.
+OUTSWEEP=0 OUT=$OUT bash benchmarks/h200_followup.sh
