@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# One device call (2026-12-06): on an H200, the tests past 2^31 elements, among them the training
-# case whose inputs pass 2^31 (it runs only on a GPU of 125 GB or more; run 180 ran it out of
-# memory; without the test's copy of its inputs and with e2a9e96's order it should take about
-# 117 GiB), then the K1 candidates' A/B in one round (k1_candidates_call.sh; K1 is
-# instruction-bound only on an H200).
+# One device call on an H200 (2026-12-06, reordered at 13:10 for a session with device time for
+# about one and a half calls): first what can close issue 12, the six-CTA decode build against the
+# default (decode A/B, bf16 whole heads) and `kda bench --decode --quick` with the six-CTA build
+# (its bf16 pools at N=256 against the copy bandwidth, the bar's own figure); then the K1
+# candidates' A/B in one round (K1 is instruction-bound only on an H200). The whole suite with its
+# bigmem tests (the 125 GB training case) is the next call's: gpu_session.sh tests.
 # On an H100: six_call.sh's branch for it (the whole suite).
-# Carries: .whl, .kernels and the five K1 candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
+# Carries: .whl, .kernels, .kernels-six and the five K1 candidate folders (.kernels-wtf32, -so,
+# -atf32, -aw, -all3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 [[ $card == *H200* ]] || exec bash benchmarks/six_call.sh
-BIGMEM_TIMEOUT=${BIGMEM_TIMEOUT:-240} PER_TEST_TIMEOUT=210 OUT=$OUT bash benchmarks/gpu_session.sh bigmem 2>&1 | tail -12
-K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-280} bash benchmarks/k1_candidates_call.sh
+# At most 8 files come back: the results travel as one archive beside the steps' log archives.
+trap '(cd "$OUT" && shopt -s nullglob && f=(*.json *.jsonl *.md) && ((${#f[@]})) && tar czf results.tgz "${f[@]}" && rm -f "${f[@]}")' EXIT
+timeout 150 env DECODE_AB_DIRS=".kernels .kernels-six" DECODE_AB_SIZES="32 256 1024" DECODE_AB_WIDTHS="bfloat16:128" \
+  OUT=$OUT bash benchmarks/gpu_session.sh decodeab 2>&1 | tail -12
+timeout ${DECODE_TIMEOUT:-170} env KERNELS=.kernels-six DECODE_ARGS="--quick --tag=-${RUN:-run}-six" \
+  OUT=$OUT bash benchmarks/gpu_session.sh decode 2>&1 | tail -40
+K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-200} bash benchmarks/k1_candidates_call.sh
