@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# The backward order test's GPU byte check seen failing (2026-12-06): on a copy of the tree whose
-# backward keeps a view of the state gradients past their `del` (the weak references the test holds
-# die, the storage does not), test_backward_frees_the_state_gradients_before_the_input_gradients must
-# fail on cuda at the byte check; the tree itself must pass. Needs a GPU and the CUDA kernels
-# (KDA_CUDA_KERNELS_DIR, as gpu_session.sh sets from .kernels); fla and pytest-xdist are not needed.
+# The backward order test's GPU byte check seen failing (2026-12-06): with the backward keeping the
+# state gradients' storage past their `del` in a tensor of its own (not a view: a view's base would
+# keep the tensor the test's weak reference watches, and that check fails first, seen on the CPU),
+# test_backward_frees_the_state_gradients_before_the_input_gradients must fail on cuda at the byte
+# check; the tree itself must pass. On a CPU (BACKEND=triton) the mutant passes: no byte check there.
+# The mutation is made in place and undone on exit (an editable install's import hook takes `kda` from
+# the checkout whatever PYTHONPATH says, so a mutated copy elsewhere would not be what runs). Needs a
+# GPU and the CUDA kernels (KDA_CUDA_KERNELS_DIR, as gpu_session.sh sets from .kernels).
 set -uo pipefail
-mut=/tmp/order-mutation
-rm -rf "$mut" && mkdir -p "$mut" && cp -r src tests pyproject.toml "$mut"/
-python3 - "$mut/src/kda/triton/training.py" <<'PY'
+target=src/kda/triton/training.py
+backup=$(mktemp)
+cp "$target" "$backup"
+trap 'cp "$backup" "$target"; rm -f "$backup"' EXIT
+test=tests/test_backward.py::test_backward_frees_the_state_gradients_before_the_input_gradients
+run() {
+  PYTHONPATH=${SITE:-/tmp/site}:$PWD/src python3 -c "import kda.triton.training as t; print('runs', t.__file__, \
+'(mutant)' if 'the mutation' in open(t.__file__).read() else '(tree)')"
+  PYTHONPATH=${SITE:-/tmp/site}:$PWD/src timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
+    "$test[${BACKEND:-cuda}]" 2>&1 | grep -E "^E |passed|failed" | head -8
+}
+run
+python3 - "$target" <<'PY'
 import sys
 path = sys.argv[1]
 text = open(path).read()
 line = "        del dstates, products, ws\n"
 assert text.count(line) == 1, "the mutation's anchor moved"
-open(path, "w").write(text.replace(line, "        kept = dstates.view(-1)  # the mutation\n" + line))
+kept = "        kept = torch.empty(0, dtype=dstates.dtype, device=dstates.device).set_(dstates.untyped_storage())"
+open(path, "w").write(text.replace(line, kept + "  # the mutation\n" + line))
 PY
-test=tests/test_backward.py::test_backward_frees_the_state_gradients_before_the_input_gradients
-for tree in "$PWD" "$mut"; do  # (BACKEND=triton on a CPU: the mutant passes, only the byte check sees it)
-  echo "== $tree"
-  (cd "$tree" && PYTHONPATH=${SITE:-/tmp/site}:$tree/src timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
-    "$test[${BACKEND:-cuda}]" 2>&1 | grep -E "assert|Error|passed|failed" | head -8)
-done
+run
