@@ -18,6 +18,6 @@ timeout 150 env DECODE_AB_DIRS=".kernels .kernels-six" DECODE_AB_SIZES="32 256 1
   OUT=$OUT bash benchmarks/gpu_session.sh decodeab 2>&1 | tail -12
 timeout ${DECODE_TIMEOUT:-170} env KERNELS=.kernels-six DECODE_ARGS="--quick --tag=-${RUN:-run}-six" \
   OUT=$OUT bash benchmarks/gpu_session.sh decode 2>&1 | tail -40
-# the backward order test's GPU byte check against a mutant that keeps a view of the state gradients
+# the backward order test's GPU byte check against a mutant that keeps the state gradients' storage
 KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout 120 bash benchmarks/order_mutation.sh 2>&1 | tail -8
 K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-200} bash benchmarks/k1_candidates_call.sh

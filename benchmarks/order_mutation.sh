@@ -12,11 +12,12 @@ target=src/kda/triton/training.py
 backup=$(mktemp)
 cp "$target" "$backup"
 trap 'cp "$backup" "$target"; rm -f "$backup"' EXIT
+export PYTHONPATH=${SITE:-/tmp/site}:$PWD/src
 test=tests/test_backward.py::test_backward_frees_the_state_gradients_before_the_input_gradients
 run() {
-  PYTHONPATH=${SITE:-/tmp/site}:$PWD/src python3 -c "import kda.triton.training as t; print('runs', t.__file__, \
+  python3 -c "import kda.triton.training as t; print('runs', t.__file__, \
 '(mutant)' if 'the mutation' in open(t.__file__).read() else '(tree)')"
-  PYTHONPATH=${SITE:-/tmp/site}:$PWD/src timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
     "$test[${BACKEND:-cuda}]" 2>&1 | grep -E "^E |passed|failed" | head -8
 }
 run

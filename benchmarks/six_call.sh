@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# One device call (2026-12-06, run 170 on an H100): the decode kernel with six bf16 whole-head CTAs an
-# SM (.kernels-six: `bash benchmarks/build_kernels.sh .kernels-six HEAD -DKDA_DECODE_OVERLAY=1`)
-# against five (.kernels, the default build): the K1 candidates' A/B in one round
-# (k1_candidates_call.sh), the decode A/B, then the six-CTA build's GPU decode and pool tests; on an H100
-# the whole suite (run 170 had its decode parts, runs 171-172 the memcheck past 2^31). Carries: .whl, .kernels,
-# .kernels-six and the five K1 candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
+# One device call (2026-12-06, run 170 on an H100): on an H100 the whole suite (run 170 had the
+# six-CTA decode build's parts, runs 171-172 the memcheck past 2^31); on an H200 h200_call.sh (the
+# decode with six bf16 whole-head CTAs an SM, .kernels-six: `bash benchmarks/build_kernels.sh
+# .kernels-six HEAD -DKDA_DECODE_OVERLAY=1`, against five, then the K1 candidates' A/B). Carries: .whl,
+# .kernels, .kernels-six and the five K1 candidate folders (.kernels-wtf32, -so, -atf32, -aw, -all3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -16,8 +15,6 @@ if [[ $card != *H200* ]]; then
   WORKERS=14 TEST_TIMEOUT=400 PER_TEST_TIMEOUT=300 BIGMEM_TIMEOUT=150 OUT=$OUT bash benchmarks/gpu_session.sh tests 2>&1 | tail -12
   exit 0
 fi
-# (K1 first: run 99's six CTAs of another form lost 1-2% from N=256 on, on the H200)
-K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-290} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} bash benchmarks/k1_candidates_call.sh
-# The decode A/B, then the six-CTA build's tests (last: they count only if it wins, and the A/B
-# comes back if they are cut): h200_followup.sh's, without its outputs' launch sweep.
-OUTSWEEP=0 OUT=$OUT bash benchmarks/h200_followup.sh
+# On an H200: h200_call.sh (the decode A/B and the six-CTA build's decode bench, then the K1 A/B; the
+# six-CTA build's tests are h200_followup.sh's).
+exec bash benchmarks/h200_call.sh
