@@ -17,8 +17,8 @@ test=tests/test_backward.py::test_backward_frees_the_state_gradients_before_the_
 run() {
   python3 -c "import kda.triton.training as t; print('runs', t.__file__, \
 '(mutant)' if 'the mutation' in open(t.__file__).read() else '(tree)')"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:xdist \
-    "$test[${BACKEND:-cuda}]" 2>&1 | grep -E "^E |passed|failed" | head -8
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -p no:xdist \
+    "$test[${BACKEND:-cuda}]" 2>&1 | grep -E "^E |passed|failed|order test bytes" | head -8
 }
 run
 python3 - "$target" <<'PY'
