@@ -20,7 +20,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kda
-from helpers import AUTO, DEVICE, cuda_ready, fla_itself, fp64_gradients, gradients, make_case, rel
+from helpers import (
+    AUTO,
+    DEVICE,
+    assert_checkpoints_close,
+    cuda_ready,
+    fla_itself,
+    fp64_gradients,
+    gradients,
+    make_case,
+    rel,
+)
 from kda.api import checked_problem
 
 ON_GPU = DEVICE == "cuda"
@@ -572,7 +582,9 @@ def test_gpu_cuda_training_forward_writes_the_checkpoints_triton_does(layout):
     o_t, _, theirs = train_forward(p)
     assert ours[:rows].isfinite().all(), "a checkpoint element was never written"
     assert ours[rows:].isnan().all(), "a write landed past the real checkpoint rows"
-    assert rel(ours[:rows], theirs[:rows]) < 1e-2, rel(ours[:rows], theirs[:rows])
+    # row by row and head by head: over the whole tensor the initial states' rows carry about 99.6%
+    # of the energy, and one interior row zeroed read 3.0e-2 (a review of the tests, 2026-12-06)
+    assert_checkpoints_close(ours, theirs, rows)
     assert rel(o, o_t) < 1e-2
 
 

@@ -116,6 +116,20 @@ def ptxas_report(
     return report
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU (H100, H200), the kernels' target",
+)
+def test_gpu_built_kernels_load_on_hopper():
+    """Where the kernels are built, an sm_90 GPU has the CUDA backend: every CUDA test skips by
+    ``cuda_ready`` when it has not, so a loader or fatbin failure there would read as skips, not
+    failures (a review of the GPU tests, 2026-12-06)."""
+    if loader.artefact_dir() is None:
+        pytest.skip("no CUDA kernels built (pip install . with nvcc, or KDA_CUDA_KERNELS_DIR)")
+    assert kda.cuda._static_availability() is None
+
+
 def test_kernels_compile_without_spills_within_their_register_ceilings(tmp_path):
     """A spill or a register count past the ceiling costs occupancy the timings depend on
     (benchmarks/NOTES.md): caught here, at compile time, on any machine with nvcc."""
@@ -864,8 +878,8 @@ def test_gpu_cuda_time_blocks_equal_the_uncut_call_bit_for_bit(
     if final:
         assert h_buf[:guard].isnan().all() and h_buf[-guard:].isnan().all(), "a write landed outside the state"
         assert torch.equal(ht_poisoned, ht_uncut), "a state element was not written"
-    else:
-        assert h_buf.isnan().all(), "a state was written without output_final_state"
+    # (without a final state no state buffer reaches run_blocks, so a check of h_buf there could not
+    # fail: removed 2026-12-06; test_cuda_launch.py checks that the last block then stores no state)
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, 5e-3, "o")
     if final:

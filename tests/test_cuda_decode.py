@@ -194,7 +194,10 @@ def test_gpu_cuda_pool_decode_replays_in_a_graph_with_new_indices_and_tokens():
 
 def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone():
     """Sequences 0 and 2 name slot 1, sequence 2 has no tokens: slot 1 ends as sequence 0 left
-    it (no write-back from the empty sequence to race with it), as the torch loop gives."""
+    it, as the torch loop gives. That is the semantics; the race a write-back from the empty
+    sequence would start is not seen here, since that CTA, with no token loop, stores first, and
+    what it would store is the value it read. The kernel's guard (decode.cu: no store back when
+    p.h0 == p.ht) has no outside check; Triton's has one (test_pools.py, a review, 2026-12-06)."""
     lens, slots, P = [3, 2, 0], [1, 4, 1], 6
     case = decode_case(lens, HV=2, seed=40)
     pool = pool_of(P, 2, False, torch.float32, seed=41)

@@ -355,6 +355,37 @@ def test_a_sequence_with_no_tokens_leaves_its_slot_to_the_one_that_has_tokens(ba
     assert torch.equal(mine[[0, 1, 3]], pool[[0, 1, 3]])
 
 
+def test_triton_decode_stores_nothing_back_for_a_sequence_with_no_tokens(monkeypatch):
+    """The guard itself (kda/triton/decode.py: the in-place store masked by bos < eos). In the pool
+    a write-back would store the very value read, which no outside check sees (with the guard
+    removed the test above passed: a review of the tests, 2026-12-06), so here the kernel, still
+    told it runs in place, stores into a NaN buffer of its own: the slot of the sequence with no
+    tokens stays NaN there, the other sequence's is written, and no other slot is."""
+    import kda.triton.decode as triton_decode
+
+    real, targets = triton_decode.decode_kernel, []
+
+    class Redirected:  # decode_kernel[grid](..., h0, ht, ...) with ht swapped
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                assert kwargs["IN_PLACE"] and args[8] is args[9], "not the pool's in-place launch"
+                targets.append(torch.full_like(args[9], float("nan")))
+                return real[grid](*args[:9], targets[-1], *args[10:], **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_decode, "decode_kernel", Redirected())
+    case, pool = pool_case([3, 0], P=4, seed=68)
+    idx = torch.tensor([2, 1], device=DEVICE)
+    with kda.record_dispatch() as events:
+        kda.fused_recurrent_kda(*case.tensors(), initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
+                                backend=AUTO, **decode_kwargs(case))  # fmt: skip
+    assert "triton:pooled_decode" in events and len(targets) == 1, (events, len(targets))
+    (target,) = targets
+    assert target[1].isnan().all(), "the sequence with no tokens stored its slot back"
+    assert target[2].isfinite().all() and target[[0, 3]].isnan().all()
+
+
 @pytest.mark.gpu
 def test_gpu_two_d_indices_need_a_column_even_with_unchecked_lengths(monkeypatch):
     """With lengths never copied to the host, S >= 1 is still required: the first slot is read
