@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-# ON_H100=mutation (2026-12-06, from 17:05, a session whose H200 starts kept failing, asking without
+# ON_H100=mutation (2026-12-06, runs 183-184, a session whose H200 starts kept failing, asking without
 # needs_h200): an H100 runs the mutation check alone, a few minutes of device time, instead of the whole suite.
 if [[ $card != *H200* && ${ON_H100:-suite} == mutation ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -28,6 +28,6 @@ timeout 150 env DECODE_AB_DIRS=".kernels .kernels-six" DECODE_AB_SIZES="32 256 1
 timeout ${DECODE_TIMEOUT:-170} env KERNELS=.kernels-six DECODE_ARGS="--quick --tag=-${RUN:-run}-six" \
   OUT=$OUT bash benchmarks/gpu_session.sh decode 2>&1 | tail -40
 # the backward order test's GPU byte check against a mutant that keeps the state gradients' storage
-# (MUTATION=0: skipped, as after it was seen failing on an H100, 2026-12-06 17:22, 2009c99)
+# (MUTATION=0: skipped, as after run 184 saw it fail on an H100, 2026-12-06, at 2009c99)
 [[ ${MUTATION:-1} == 1 ]] && KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout 120 bash benchmarks/order_mutation.sh 2>&1 | tail -8
 K1_ROUNDS=1 AB_TIMEOUT=${K1_TIMEOUT:-200} bash benchmarks/k1_candidates_call.sh
