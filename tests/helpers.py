@@ -217,6 +217,13 @@ def assert_close_fp64(x: torch.Tensor, ref: torch.Tensor, tol: float, what: str)
     assert err <= tol, f"{what}: relative RMS {err:.3e} > {tol:.1e}"
 
 
+def guarded(shape, dtype, device, guard=4096):
+    """A NaN-poisoned view with poisoned guard regions before and after it."""
+    n = torch.Size(shape).numel()
+    buf = torch.full((n + 2 * guard,), float("nan"), dtype=dtype, device=device)
+    return buf, buf[guard : guard + n].view(shape), guard
+
+
 def assert_checkpoints_close(ours: torch.Tensor, theirs: torch.Tensor, rows: int, tol: float = 1e-2) -> None:
     """Checkpoint rows ``[:rows]`` (``[rows, H, ., .]``) close row by row and head by head, so that
     one bad row is not averaged away (over a whole tensor the initial states' rows can carry

@@ -7,7 +7,6 @@ GPU tests at the end of this file."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from unittest import mock
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 import kda
 import kda.cuda
-from helpers import DEVICE, assert_checkpoints_close, cuda_ready, gradients, make_case, rel
+from helpers import DEVICE, assert_checkpoints_close, cuda_ready, gradients, guarded, make_case, rel
 from kda.api import checked_problem
 from kda.cuda import BACKEND
 
@@ -170,14 +169,6 @@ def test_misaligned_under_compile_falls_back_with_a_note(cuda_stand_in):
 # ---- on the GPU: K2's checkpoints and the training forward on the real kernels
 
 
-def poisoned_with_bands(shape, guard=4096):
-    """``(x, bands)``: a float32 NaN tensor of ``shape`` on the GPU, the middle of a buffer with
-    ``guard`` NaN elements (16 KB) on each side, and a function giving those bands, to check
-    that nothing was written past either end of ``x``."""
-    buf = torch.full((math.prod(shape) + 2 * guard,), float("nan"), device="cuda")
-    return buf[guard:-guard].view(shape), lambda: torch.cat([buf[:guard], buf[-guard:]])
-
-
 def _checkpoints_both_ways(p):
     from kda.cuda.forward import chunk_forward as cuda_chunk_forward
     from kda.tables import chunk_tables
@@ -186,9 +177,9 @@ def _checkpoints_both_ways(p):
     rows = chunk_tables(p).checkpoint_offsets[-1].item()
     # NaN bands past both ends: the batched cases' rows are all real, so a check of the rows past
     # them alone looked at nothing there (2026-12-06)
-    ours, bands = poisoned_with_bands(checkpoint_shape(p))
+    buf, ours, guard = guarded(checkpoint_shape(p), torch.float32, "cuda")
     cuda_chunk_forward(p, ours)
-    assert bands().isnan().all(), "a write landed outside the checkpoints"
+    assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the checkpoints"
     _, _, theirs = train_forward(p)
     return rows, ours, theirs
 
@@ -366,7 +357,7 @@ def test_gpu_cuda_state_products_against_triton(layout, gate_shift, batched):
     workspace = cuda_chain(p, do, dht, None, dstates, tables)
     results = []
     for cuda in (True, False):  # (NaN bands: the batched case has no chunk slot past the real ones)
-        scratch, bands = poisoned_with_bands((product_scratch_numel(NC, H),))
+        buf, scratch, guard = guarded((product_scratch_numel(NC, H),), torch.float32, "cuda")
         dv = torch.full_like(p.v, float("nan"))
         with kda.record_dispatch() as events:
             if cuda:
@@ -375,7 +366,7 @@ def test_gpu_cuda_state_products_against_triton(layout, gate_shift, batched):
                 triton_products(p, tables, k1_operands(workspace), do, checkpoints, dstates, True, "tf32", True,
                                 scratch, dv)  # fmt: skip
         assert events == (["cuda:state_products"] if cuda else []), events
-        assert bands().isnan().all(), "a write landed outside the scratch"
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "a write landed outside the scratch"
         results.append((scratch_views(scratch, NC, H, 128), dv))
     (ours, dv_ours), (theirs, dv_theirs) = results
 

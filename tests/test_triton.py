@@ -20,6 +20,7 @@ from helpers import (
     assert_strictly_causal,
     fla_itself,
     fp64_reference,
+    guarded,
     make_case,
     rel,
 )
@@ -66,13 +67,6 @@ def test_steep_decay_exact(gate):
     o_ref, ht_ref = fp64_reference(case)
     assert_close_fp64(o, o_ref, 1e-4, "o")
     assert_close_fp64(ht, ht_ref, 1e-4, "final state")
-
-
-def guarded(shape, dtype, device, guard=4096):
-    """A NaN-poisoned view with poisoned guard regions before and after it."""
-    n = torch.Size(shape).numel()
-    buf = torch.full((n + 2 * guard,), float("nan"), dtype=dtype, device=device)
-    return buf, buf[guard : guard + n].view(shape), guard
 
 
 @pytest.mark.parametrize("layout", [False, True])
