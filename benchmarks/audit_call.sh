@@ -9,8 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
+source benchmarks/site_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 KDA_CUDA_KERNELS_DIR=$PWD/.kernels
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 tests=(

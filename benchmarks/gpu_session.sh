@@ -4,10 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# .whl carries fla-core 0.6.0 (the comparison) and pytest-xdist + execnet (tests in parallel:
-# Triton compiles on the CPU, 16 cores there).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
+source benchmarks/site_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 # Kernels built on the CPU machine from this tree (its nvcc 13.0), carried in .kernels: the steps
 # that do not install the package (no `cuda` or `wheel` step) load them from there.

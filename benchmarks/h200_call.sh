@@ -14,8 +14,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 # ON_H100=mutation (2026-12-06, runs 183-184, a session whose H200 starts kept failing, asking without
 # needs_h200): an H100 runs the mutation check alone, a few minutes of device time, instead of the whole suite.
 if [[ $card != *H200* && ${ON_H100:-suite} == mutation ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
+  source benchmarks/site_wheels.sh
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   KDA_CUDA_KERNELS_DIR=$PWD/.kernels FLA_FLASH_KDA=0 timeout 200 bash benchmarks/order_mutation.sh 2>&1 | tail -8
   exit 0
