@@ -224,6 +224,11 @@ def guarded(shape, dtype, device, guard=4096):
     return buf, buf[guard : guard + n].view(shape), guard
 
 
+def assert_bands_untouched(buf: torch.Tensor, guard: int, what: str) -> None:
+    """The NaN bands of a ``guarded`` buffer are still all NaN: no write landed outside ``what``."""
+    assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), f"a write landed outside {what}"
+
+
 def assert_checkpoints_close(ours: torch.Tensor, theirs: torch.Tensor, rows: int, tol: float = 1e-2) -> None:
     """Checkpoint rows ``[:rows]`` (``[rows, H, ., .]``) close row by row and head by head, so that
     one bad row is not averaged away (over a whole tensor the initial states' rows can carry
