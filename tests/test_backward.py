@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -38,6 +39,10 @@ from kda.api import checked_problem
 ON_GPU = DEVICE == "cuda"
 GATES = ("precomputed", "lower_bound", "softplus")
 FP32_BAR = 1e-4  # every gradient's relative RMS against fp64, float32 inputs (the issue's bar)
+# bf16 inputs: a cap on every gradient's relative RMS against fp64 whatever fla's is, so a comparison
+# where fla's own gradients are off cannot pass a bad one (set 2026-12-06 at four times the bf16
+# forward's 5e-3 bar without fla's figures on record; the test now warns them into the log)
+BF16_GRAD_CAP = 2e-2
 TINY = 1e-30  # gradient magnitude below which a relative error is measured against this instead
 
 
@@ -543,7 +548,8 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
 @pytest.mark.parametrize("lens", [[1024], [512, 300, 777]])
 def test_gpu_bf16_gradients_no_worse_than_fla(lens):
     """bf16 inputs: every gradient's error against fp64 (same rounded inputs) beside fla's
-    chunk_kda gradients on the same inputs, printed; kda's within 1.1x of fla's."""
+    chunk_kda gradients on the same inputs, warned (so the figures reach the log's warnings
+    summary); kda's within 1.1x of fla's and under BF16_GRAD_CAP."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     case = make_case(seq_lens=lens, H=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=14)
@@ -557,9 +563,11 @@ def test_gpu_bf16_gradients_no_worse_than_fla(lens):
     finally:
         kda.chunk_kda = real
     report = {n: (rel(ours[n], ref[n]), rel(theirs[n], ref[n])) for n in ref}
-    print("gradient rel RMS vs fp64, kda / fla:", {n: f"{a:.2e} / {b:.2e}" for n, (a, b) in report.items()})
+    figures = {n: f"{a:.2e} / {b:.2e}" for n, (a, b) in report.items()}
+    warnings.warn(f"gradient rel RMS vs fp64, lens {lens}, kda / fla: {figures}", stacklevel=1)
     for name, (ours_err, fla_err) in report.items():
         assert ours_err <= 1.1 * fla_err, f"d{name}: kda {ours_err:.3e} vs fla {fla_err:.3e}"
+        assert ours_err < BF16_GRAD_CAP, f"d{name}: kda {ours_err:.3e} over the cap {BF16_GRAD_CAP}"
 
 
 @pytest.mark.gpu
