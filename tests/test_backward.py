@@ -40,9 +40,10 @@ ON_GPU = DEVICE == "cuda"
 GATES = ("precomputed", "lower_bound", "softplus")
 FP32_BAR = 1e-4  # every gradient's relative RMS against fp64, float32 inputs (the issue's bar)
 # bf16 inputs: a cap on every gradient's relative RMS against fp64 whatever fla's is, so a comparison
-# where fla's own gradients are off cannot pass a bad one (set 2026-12-06 at four times the bf16
-# forward's 5e-3 bar without fla's figures on record; the test now warns them into the log)
-BF16_GRAD_CAP = 2e-2
+# where fla's own gradients are off cannot pass a bad one. The H200's figures at 6675f89 (run 193,
+# 2026-12-06): kda 2.30e-3 to 2.94e-3, fla 2.89e-3 to 4.64e-3 over both cases and all eight
+# gradients; the cap sits about 3x above kda's worst.
+BF16_GRAD_CAP = 1e-2
 TINY = 1e-30  # gradient magnitude below which a relative error is measured against this instead
 
 
