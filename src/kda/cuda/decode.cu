@@ -28,8 +28,6 @@
 // never written, so no index reaches memory outside the pool.
 #include "kda_cuda.cuh"
 
-#include <cutlass/arch/barrier.h>
-
 namespace kda {
 namespace {
 
@@ -127,46 +125,18 @@ struct Ownership {
 // 5, as before), bf16 64 columns 10; that took bf16 states from 0.69 to 0.79 of the copy
 // bandwidth at N=256 (H200, run 36, benchmarks/NOTES.md). Whole heads (128 columns, 2026-12-02):
 // bf16 [K, V] 5 CTAs (95 registers), float32 [K, V] 3; bf16 runs there (run 39: 0.92 of the copy
-// bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64. With its scratch overlaid
-// (DecodeScratch, a candidate build: -DKDA_DECODE_OVERLAY=1, 2026-12-06) bf16 [K, V] whole heads
-// take 37,888 B, six CTAs to the byte (80 registers, no spills at six: ptxas, nvcc 13.0).
-//
-// The shared memory after the tile: the token's per-K vectors, (d, k) for pass 2 and (d k, d q)
-// for pass 1; the warps' sums for the l2norm; for [K, V] states the warps' partial sums over K;
-// and the staging barrier. The partial sums are written after pass 1, when the pass-1 vectors,
-// the sums and (once its copy was waited for, at the first token) the barrier are dead for the
-// token, so a bf16 whole head lays them over those: its 1,080 B less is what takes it from five
-// CTAs an SM to six (kOverlay, 2026-12-06). That costs a CTA barrier a token between pass 1 and
-// the partial sums' writes, and keeps (d, k) apart from (d k, d q). The other slices keep their
-// arrays apart, (d, k, d k, d q) one 16-byte vector a K index (their CTAs an SM would not change;
-// in one raw buffer like the overlay's, ptxas spilled 8 B in two of them, nvcc 13.0).
-// The overlay is a candidate, off by default: on an H100 six CTAs ran as five did (run 170,
-// 2026-12-06: bf16 N=256 0.1888 against 0.1882 ms, pools 0.1907 against 0.1905, benchmarks/NOTES.md);
-// the H200, where N=256 reaches 0.877 of the copy bandwidth (the bar is 0.9), is where more warps
-// an SM could count, and it has not been measured there.
-#ifndef KDA_DECODE_OVERLAY
-#define KDA_DECODE_OVERLAY 0
-#endif
-template <typename E, bool VFirst, int BV>
-struct DecodeScratch {
-  static constexpr bool kOverlay = KDA_DECODE_OVERLAY && !VFirst && sizeof(E) == 2 && BV == kHeadDim;
-  static constexpr int kPartialBytes = 4 * kDecodeWarps * 2 * BV;  // float [warps][2][BV]
-  static constexpr int kSumsBytes = 4 * kDecodeWarps * 3;          // float [warps][3]
-  // The overlay's buffer: (d, k) float2 [128], then the partial sums over (d k, d q) float2
-  // [128], the sums and the barrier.
-  static constexpr int kKq = 8 * kHeadDim;
-  static constexpr int kSums = kKq + 8 * kHeadDim;
-  static constexpr int kBarrier = kSums + kSumsBytes;
-  static_assert(!kOverlay || (kBarrier % 8 == 0 && kBarrier + 8 <= kKq + kPartialBytes), "the overlay's layout");
-  static constexpr int kBytes = kOverlay ? kKq + kPartialBytes : 16 * kHeadDim + kSumsBytes + kPartialBytes + 8;
-};
-template <typename E, bool VFirst, int BV>
-constexpr int decode_shared_bytes() {  // the tile and the rest (DecodeScratch)
-  return kHeadDim * BV * sizeof(E) + DecodeScratch<E, VFirst, BV>::kBytes;
+// bandwidth at N=1024 against 0.87 at 64 columns), float32 stays at 64. Six bf16 whole-head
+// CTAs an SM (their partial sums laid over the dead pass-1 vectors, 37,888 B, e506c6c) ran as
+// five did on an H100 (run 170) and on the H200 (run 192, 2026-12-06, graph ms of two rounds:
+// pools N=256 0.1430 / 0.1430 against five's 0.1433 / 0.1430, plain 0.1396 / 0.1394 against
+// 0.1394 / 0.1383), so that layout went again (benchmarks/NOTES.md).
+template <typename E, int BV>
+constexpr int decode_shared_bytes() {
+  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8;
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
-  const int ctas = (228 * 1024) / (decode_shared_bytes<E, VFirst, BV>() + 1024);
+  const int ctas = (228 * 1024) / (decode_shared_bytes<E, BV>() + 1024);
   // [V, K] 64 columns: five (float32: 91 registers unbounded, at six it spilled 16 B; bf16 with
   // the bulk staging spilled 28 B at six, 2026-12-03); [V, K] 128 columns: four (bf16 spilled
   // 20 B at five; float32 holds three by its shared memory)
@@ -189,39 +159,16 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   constexpr int64_t kHeadElements = int64_t(kHeadDim) * kHeadDim;
   constexpr int kTileBytes = kHeadDim * BV * int(sizeof(E));  // the slice, one copy's worth
   __shared__ alignas(16) E tile[kHeadDim * BV];  // the slice, as stored in memory
-  // The token's per-K vectors ((d, k) here, (d k, d q) in the scratch) and sums, one buffer: a CTA
-  // barrier ends each token that another follows, before the next prologue overwrites them.
-  // (Buffers by token parity spared that barrier, but their 4 KB more of shared memory held five
-  // float32 64-column CTAs an SM instead of six.)
-  using Scratch = DecodeScratch<E, VFirst, BV>;
-  float2* s_pairs;  // (d, k) of K index i at s_pairs[kStride i], (d k, d q) at s_pairs[kq + kStride i]
-  float(*s_sums)[3];
-  float(*s_partial)[2][BV];  // [K, V] states: per-warp sums over K
-  uint64_t* staged_bar_at;   // the staging copy's mbarrier
-  constexpr int kStride = Scratch::kOverlay ? 1 : 2, kq = Scratch::kOverlay ? Scratch::kKq / 8 : 1;
-  if constexpr (Scratch::kOverlay) {
-    __shared__ alignas(16) unsigned char scratch[Scratch::kBytes];
-    static_assert(sizeof(tile) + sizeof(scratch) == decode_shared_bytes<E, VFirst, BV>(), "every array counted");
-    s_pairs = reinterpret_cast<float2*>(scratch);
-    s_sums = reinterpret_cast<float(*)[3]>(scratch + Scratch::kSums);
-    s_partial = reinterpret_cast<float(*)[2][BV]>(scratch + Scratch::kKq);
-    staged_bar_at = reinterpret_cast<uint64_t*>(scratch + Scratch::kBarrier);
-  } else {
-    __shared__ float4 s_vec[kHeadDim];
-    __shared__ float sums[kDecodeWarps][3];
-    __shared__ alignas(16) float partial[kDecodeWarps][2][BV];
-    __shared__ uint64_t staged;
-    static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(sums) + sizeof(partial) + sizeof(staged) ==
-                      decode_shared_bytes<E, VFirst, BV>(),
-                  "every array counted");
-    s_pairs = reinterpret_cast<float2*>(s_vec);
-    s_sums = sums;
-    s_partial = partial;
-    staged_bar_at = &staged;
-  }
-  const auto s_dk = [&](int i) -> float2& { return s_pairs[kStride * i]; };
-  const auto s_kq = [&](int i) -> float2& { return s_pairs[kq + kStride * i]; };
-  uint64_t& staged_bar = *staged_bar_at;
+  // The token's per-K vectors (d, k, d k, d q) and sums, one buffer: a CTA barrier ends each
+  // token that another follows, before the next prologue overwrites them. (Buffers by token
+  // parity spared that barrier, but their 4 KB more of shared memory held five float32
+  // 64-column CTAs an SM instead of six.)
+  __shared__ float4 s_vec[kHeadDim];
+  __shared__ float s_sums[kDecodeWarps][3];
+  __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) ==
+                    decode_shared_bytes<E, BV>(),
+                "decode_shared_bytes counts every array (and the staging barrier)");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
@@ -229,6 +176,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
   int64_t trace_c[4] = {};
 #endif
+  __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
   const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
   // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
   // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
@@ -387,12 +335,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if (lane == 0)
       for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
     const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
-    if constexpr (Scratch::kOverlay) {
-      s_dk(tid) = make_float2(d, kv);
-      s_kq(tid) = make_float2(d * kv, d * qv);
-    } else {  // (one 16-byte store)
-      *reinterpret_cast<float4*>(&s_dk(tid)) = make_float4(d, kv, d * kv, d * qv);
-    }
+    s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
     if (!staged) {
       wait_staged();
       staged = true;
@@ -401,10 +344,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #endif
     }
     __syncthreads();
-    // Overlaid, the staging barrier's bytes take partial sums after this token's pass 1: retired
-    // first, once every thread has waited on it (the barrier above); a CTA stages once.
-    if constexpr (Scratch::kOverlay)
-      if (tid == 0 && read && t == bos) cutlass::arch::ClusterBarrier::invalidate(&staged_bar);
     float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
@@ -424,7 +363,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     if constexpr (VFirst) {
       float2 dkq[kVec];  // (d k, d q) of the thread's K indices
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) dkq[e] = s_kq(own.tk * kVec + e);
+      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         float x[kVec];
@@ -444,13 +383,13 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     } else {
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
-        const float2 vec = s_kq(own.tk + kThreadsK * r);
+        const float4 vec = s_vec[own.tk + kThreadsK * r];
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          dot_k[e] = fmaf(x[e], vec.x, dot_k[e]);
-          dot_q[e] = fmaf(x[e], vec.y, dot_q[e]);
+          dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
+          dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
         }
       }
 #pragma unroll
@@ -459,8 +398,6 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
           dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
           dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
         }
-      // (overlaid, the partial sums wait for every warp's pass 1: DecodeScratch)
-      if constexpr (Scratch::kOverlay) __syncthreads();
       if (lane < kThreadsC)  // then over the warps
         for (int j = 0; j < kColumns; ++j) {
           s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
@@ -510,14 +447,14 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         // (d, k) of the element's K index
-        const float2 dk = s_dk(VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r);
+        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
       const uint4 updated = R::pack(x);
       if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
       if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
     }
-    if (!last) __syncthreads();  // every thread is done with s_dk, s_kq and s_sums (uniform: t and eos are the CTA's)
+    if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
   }
   // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
   // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
