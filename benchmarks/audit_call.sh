@@ -25,13 +25,12 @@ timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEs -n ${WORKERS:-12} -p no:
   > "$OUT/pytest-audit.log" 2>&1
 grep -E "FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-audit.log" | tail -15
 target=src/kda/triton/decode.py
-backup=$(mktemp)
-cp "$target" "$backup"
-trap 'cp "$backup" "$target"; rm -f "$backup"' EXIT
+source benchmarks/mutation.sh
+keep_original "$target"
 sed -i 's/decode_kernel\[(cdiv(p.V, BV) \* p.N \* p.HV,)\]/decode_kernel[(min(cdiv(p.V, BV) * p.N * p.HV, 65535),)]/' "$target"
 grep -c "65535),)]" "$target" | sed 's/^/mutant grid lines: /'
 timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:xdist "${tests[0]}" 2>&1 | grep -E "^E |passed|failed" | head -4
-cp "$backup" "$target"
+restore_original
 mkdir -p /tmp/bad-kernels
 for f in prepare recurrence decode; do head -c 4096 /dev/urandom > /tmp/bad-kernels/$f.fatbin; done
 KDA_CUDA_KERNELS_DIR=/tmp/bad-kernels timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:xdist "${tests[1]}" 2>&1 \

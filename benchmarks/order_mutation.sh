@@ -9,9 +9,8 @@
 # GPU and the CUDA kernels (KDA_CUDA_KERNELS_DIR, as gpu_session.sh sets from .kernels).
 set -uo pipefail
 target=src/kda/triton/training.py
-backup=$(mktemp)
-cp "$target" "$backup"
-trap 'cp "$backup" "$target"; rm -f "$backup"' EXIT
+source benchmarks/mutation.sh
+keep_original "$target"
 export PYTHONPATH=${SITE:-/tmp/site}:$PWD/src
 test=tests/test_backward.py::test_backward_frees_the_state_gradients_before_the_input_gradients
 run() {
