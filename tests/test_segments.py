@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kda
-from helpers import AUTO, DEVICE, make_case, rel
+from helpers import AUTO, DEVICE, assert_bands_untouched, guarded, make_case, rel
 
 BACKENDS = ("torch", AUTO)
 
@@ -131,14 +131,16 @@ def test_boundary_chain_in_one_kernel(counts, HV, K, V):
     R = torch.randn(segs, HV, V, K, generator=gen).transpose(-1, -2)
     S0 = torch.randn(len(counts), HV, K, V, generator=gen, dtype=torch.float64)
     P, R, S0 = P.to(DEVICE), R.to(DEVICE), S0.to(DEVICE)
-    starts_buf = torch.full((segs + 2, HV, K, V), float("nan"), dtype=torch.float64, device=DEVICE)
-    finals_buf = torch.full((len(counts) + 2, HV, K, V), float("nan"), dtype=torch.float64, device=DEVICE)
+    state = HV * K * V  # a state's worth of NaN before and after each output
+    starts_buf, starts_out, _ = guarded((segs, HV, K, V), torch.float64, DEVICE, guard=state)
+    finals_buf, finals_out, _ = guarded((len(counts), HV, K, V), torch.float64, DEVICE, guard=state)
     with kda.record_dispatch() as events:
-        starts, finals = chain_states(P, R, S0, counts, out=(starts_buf[1:-1], finals_buf[1:-1]))
+        starts, finals = chain_states(P, R, S0, counts, out=(starts_out, finals_out))
     assert events == ["triton:chain_states"], events
     want_starts, want_finals = segments.chain_steps(P, R, S0, counts)
     assert not starts.isnan().any() and not finals.isnan().any()
-    assert starts_buf[[0, -1]].isnan().all() and finals_buf[[0, -1]].isnan().all()
+    assert_bands_untouched(starts_buf, state, "the segments' entering states")
+    assert_bands_untouched(finals_buf, state, "the final states")
     assert rel(starts, want_starts) <= 1e-13 and rel(finals, want_finals) <= 1e-13, (
         rel(starts, want_starts),
         rel(finals, want_finals),
