@@ -7,8 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/ab
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  .whl/fla_core*.whl .whl/pytest_xdist*.whl .whl/execnet*.whl || exit 1
+source benchmarks/site_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 KDA_CUDA_KERNELS_DIR=$PWD/${KERNELS:-.kernels}
 source benchmarks/autotune_cache.sh  # (one cache a card)
 trap 'save_autotune; (cd /tmp/ab && tar czf "$OUT/paired-runs-ab.tgz" .)' EXIT
