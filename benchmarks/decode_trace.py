@@ -2,9 +2,13 @@
 each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
 from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
 SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (plain call, pool) the medians,
-the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail)."""
+the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail). Then, per mode,
+``GRAPH_LAUNCHES`` launches captured in one graph and replayed: each launch's span and the gap from its
+last CTA's end to the next launch's first CTA's start, beside the replay's time a launch (run 63 had the
+pool's graph replay 3 us a call longer than its CTAs' span, where the plain call's was not; 2026-12-07)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -15,6 +19,7 @@ from kda.cuda.decode import decode
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 columns = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
+GRAPH_LAUNCHES = int(os.environ.get("GRAPH_LAUNCHES", "4"))
 
 
 def q(x, f):
@@ -50,3 +55,49 @@ for mode in ("plain", "pool"):
         "live_ctas_per_1pct_of_span": live,
     }
     print(json.dumps(out), flush=True)
+
+
+def trace_rows(o):
+    """(start ns, end ns) of every CTA of the launch that wrote ``o``."""
+    tr = o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :2].cpu()
+    return tr[:, 0], tr[:, 1]
+
+
+for mode in ("plain", "pool"):
+    p = decode_problem(N, dtype, mode)
+    decode(p, columns)
+    torch.cuda.synchronize()
+    outs = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        decode(p, columns)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_LAUNCHES):
+            outs.append(decode(p, columns)[0])  # kept: each launch's trace in its own output
+    import triton.testing
+
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    rows = [trace_rows(o) for o in outs]
+    spans = [float(end.max() - start.min()) / 1e3 for start, end in rows]
+    gaps = [float(rows[i + 1][0].min() - rows[i][1].max()) / 1e3 for i in range(len(rows) - 1)]
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "N": N,
+                "columns": columns,
+                "graph_launches": GRAPH_LAUNCHES,
+                "replay_us_per_launch": ms * 1e3 / GRAPH_LAUNCHES,
+                "span_us": spans,
+                "gap_us_last_end_to_next_first_start": gaps,
+                "first_start_to_last_start_us": [float(start.max() - start.min()) / 1e3 for start, _ in rows],
+                "last_start_to_last_end_us": [float(end.max() - start.max()) / 1e3 for start, end in rows],
+            }
+        ),
+        flush=True,
+    )
