@@ -737,8 +737,9 @@ __device__ __forceinline__ void load_chunk(const Params& p, PrepareShared<kMayBe
           acc[e] = fmaf(gate_scale, rcp_approx(1.f + exp2_approx(fmaf(gv, gate_mul, gate_add[e]))), acc[e]);
         else  // a hard reset (g = -inf, or any g below kHardReset) as the finite kHardReset: the
               // decay through it is 0 in float32 either way, and no -inf - (-inf) is formed; the
-              // rows past the exp2 limit that it makes take the pairwise path below
-          acc[e] = fmaf(fmaxf(gv, kHardReset), kLog2e, acc[e]);
+              // rows past the exp2 limit that it makes take the pairwise path below. A NaN g stays
+              // NaN (fmaxf would make it a silent reset; tests/test_nan.py, 2026-12-07).
+          acc[e] = fmaf(gv < kHardReset ? kHardReset : gv, kLog2e, acc[e]);
         G[e][r8] = acc[e];
       }
     }

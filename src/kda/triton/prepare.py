@@ -76,7 +76,10 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
     ``lb * sigmoid(a x)`` (GATE 1) or ``-a softplus(x)`` (GATE 2)."""
     if GATE == 1:
         return lower_bound * tl.sigmoid(a * x)
-    return tl.maximum(-a * _softplus(x), GATE_FLOOR)  # finite: no 0 * inf in the gradients
+    # The floor keeps the gate finite (no 0 * inf in the gradients); a NaN gate stays NaN, as in the
+    # reference (tl.maximum's default drops NaN: a NaN gate became a silent hard reset until
+    # 2026-12-07, tests/test_nan.py).
+    return tl.maximum(-a * _softplus(x), GATE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
