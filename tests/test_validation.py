@@ -74,9 +74,29 @@ BAD = [
     ("neg eigval without sigmoid", dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "`allow_neg_eigval"),
     ("intermediate states", dict(return_intermediate_states=True), ValueError, "`return_intermediate_states"),
     ("scale", dict(scale=float("nan")), TypeError, "`scale`"),
+    # integers past the float range (OverflowError from float() until a review of 2026-12-07)
+    ("scale past float", dict(scale=10**400), TypeError, "`scale`"),
+    ("lower_bound past float", dict(lower_bound=-(10**400), safe_gate=False), ValueError, "`lower_bound`"),
     ("unknown kwarg", dict(use_grpah=True), TypeError, "use_grpah"),
     ("backend name", dict(backend="fast"), ValueError, "`backend`"),
 ]  # fmt: skip
+
+
+def test_numpy_scalars_are_taken_as_floats():
+    """scale and lower_bound as numpy scalars of any float width (np.float32 was refused while
+    np.float64, a float subclass, was taken, until a review of 2026-12-07): the same answer as
+    Python floats."""
+    import numpy as np
+
+    import kda
+
+    args = base(safe_gate=False)
+    want = kda.chunk_kda(**args, scale=0.3)
+    for cast in (np.float32, np.float64, np.float16):
+        got = kda.chunk_kda(**base(safe_gate=False, lower_bound=cast(-4.0)), scale=cast(0.3))
+        ref = kda.chunk_kda(**base(safe_gate=False, lower_bound=float(cast(-4.0))), scale=float(cast(0.3)))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), cast
+    assert not torch.equal(want[0], kda.chunk_kda(**args, scale=0.5)[0])
 
 
 def test_int32_cu_seqlens_equal_int64():

@@ -8,6 +8,7 @@ expected. Backends receive only checked problems and never re-validate.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 import warnings
@@ -116,6 +117,17 @@ class Problem:
 # The checks below run on every call, against a host budget of tens of microseconds: each
 # condition is tested inline (a helper call costs about 0.1 us) and the helpers only build
 # the error, once a condition has failed.
+
+
+def _real_or_none(x: object) -> float | None:
+    """A real number (Python or numpy, any float width; not bool) as a float, inf for an integer past
+    the float range (so that the caller's finiteness check names it); None for anything else."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
 
 
 def _require_tensor(name: str, x: object) -> torch.Tensor:
@@ -402,8 +414,10 @@ def check_problem(
 
     if scale is None:
         scale = K**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"`scale` must be a finite float or None, got {scale!r}")
+    else:
+        given, scale = scale, _real_or_none(scale)
+        if scale is None or not math.isfinite(scale):
+            raise TypeError(f"`scale` must be a finite float or None, got {given!r}")
 
     use_gate = bool(use_gate_in_kernel)
     use_beta_sigmoid = bool(use_beta_sigmoid_in_kernel)
@@ -412,9 +426,9 @@ def check_problem(
     if allow_neg_eigval and not use_beta_sigmoid:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"`lower_bound` must be a float or None, got {lower_bound!r}")
-        lower_bound = float(lower_bound)
+        given, lower_bound = lower_bound, _real_or_none(lower_bound)
+        if lower_bound is None:
+            raise TypeError(f"`lower_bound` must be a float or None, got {given!r}")
         if not (math.isfinite(lower_bound) and lower_bound < 0):
             raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
     if safe_gate and use_gate:
