@@ -267,6 +267,17 @@ def test_prefill_indices_are_checked(idx, says):
     assert says in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("shape", [(), (3, 16), (1, 5, 1, 16, 1)])
+def test_prefill_names_a_q_of_the_wrong_rank(shape):
+    """A q of another rank than 4 with `initial_state_indices`: the usual `q` error (its B was read
+    for N first: a 0-d q raised an IndexError, a review of 2026-12-07)."""
+    case = make_case(T=5, H=1, K=16, V=16, seed=69)
+    kw = {n: x for n, x in case.kwargs().items() if n not in ("initial_state", "output_final_state")}
+    with pytest.raises(ValueError, match=r"`q` must be 4-D"):
+        kda.chunk_kda(torch.randn(shape), *case.tensors()[1:], initial_state=torch.randn(2, 1, 16, 16),
+                      initial_state_indices=torch.tensor([1]), backend="torch", **kw)  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize(
     "over, says",

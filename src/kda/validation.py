@@ -130,6 +130,11 @@ def _real_or_none(x: object) -> float | None:
         return math.inf if x > 0 else -math.inf
 
 
+def _require_4d_q(q: Tensor) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"`q` must be 4-D [B, T, H, K], got shape {list(q.shape)}")
+
+
 def _require_tensor(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
@@ -353,8 +358,7 @@ def check_problem(
     ):
         _require_tensors(q=q, k=k, v=v, g=g, beta=beta)
     q_shape = q.shape
-    if len(q_shape) != 4:
-        raise ValueError(f"`q` must be 4-D [B, T, H, K], got shape {list(q_shape)}")
+    _require_4d_q(q)
     B, T, H, K = q_shape
     if k.shape != q_shape:
         raise _shape_error("k", k, q_shape, "[B, T, H, K]")
@@ -589,6 +593,7 @@ def pool_prefill_sequences(
     x = _require_tensor("initial_state", pool)
     idx = _require_tensor("initial_state_indices", indices)
     q = _require_tensor("q", q)
+    _require_4d_q(q)  # (before its B is read: a 0-d q raised an IndexError, a review of 2026-12-07)
     N = q.shape[0] if cu_seqlens is None else _offsets_tensor(cu_seqlens).shape[0] - 1
     if idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"`initial_state_indices` must be int32 or int64, got {idx.dtype}")
