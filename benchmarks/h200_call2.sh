@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call on an H200 (2026-12-07): the K1 candidates' A/B (k1_candidates_call.sh, issue 13),
+# then the decode trace of launches captured in one graph (decode_trace.py, issue 12's pool gap;
+# carry .kernels-trace, a -DKDA_DECODE_TRACE=1 build), then the bigmem tests in what is left of
+# CALL_SECONDS. Carries: .whl, .kernels, the five K1 folders, .kernels-trace.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+CALL_SECONDS=${CALL_SECONDS:-560}
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if [[ $card != *H200* ]]; then
+  echo "card: $card; this call is for an H200" >&2
+  exit 2
+fi
+K1_ROUNDS=${K1_ROUNDS:-1} AB_TIMEOUT=${K1_TIMEOUT:-300} OUT=$OUT/k1 bash benchmarks/k1_candidates_call.sh 2>&1 | tail -45
+echo "== decode trace ($SECONDS s in)"
+(source benchmarks/site_wheels.sh
+ PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels-trace timeout 90 python3 benchmarks/decode_trace.py 256 \
+   > "$OUT/decode-trace.jsonl" 2>&1; tail -4 "$OUT/decode-trace.jsonl")
+left=$((CALL_SECONDS - SECONDS - 15))
+echo "== bigmem ($SECONDS s in, $left s left)"
+if ((left > 60)); then
+  BIGMEM_TIMEOUT=$((left - 10)) PER_TEST_TIMEOUT=$((left - 20)) OUT=$OUT/bigmem timeout $left \
+    bash benchmarks/gpu_session.sh bigmem 2>&1 | tail -24
+fi
