@@ -765,3 +765,28 @@ def test_local_gradient_kernels_read_k1s_workspace():
     for misread in (unswizzled, no_remainder):
         wrong = local(k1_operands(k1_workspace(misread)), True)
         assert max(rel(wrong[n].float(), want[n].float()) for n in want) > 1e-3
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("lens", [None, [0, 0]])
+def test_no_tokens_backward_runs_on_every_backend(lens, with_state):
+    """T = 0 with inputs that require grad: a backward through o and the final state runs and gives
+    the same gradients on the torch backend as on Triton (empty ones for the token inputs, the
+    state's own for h0). The torch backend's outputs were cut off from autograd until a review of
+    2026-12-07 (`loss.backward()` raised)."""
+    case = make_case(seq_lens=lens, B=2, T=0, H=1, K=8, V=8, gate="softplus", with_state=with_state,
+                     device=DEVICE, seed=33)  # fmt: skip
+    weight = torch.randn(
+        case.q.shape[0] if lens is None else len(lens), 1, 8, 8, generator=torch.Generator().manual_seed(1)
+    )
+    grads = {}
+    for backend in ("torch", AUTO):
+        leaves = [x.detach().clone().requires_grad_() for x in case.tensors()]
+        h0 = None if case.initial_state is None else case.initial_state.detach().clone().requires_grad_()
+        kw = case.kwargs(initial_state=h0)
+        o, ht = kda.chunk_kda(*leaves, **kw, backend=backend)
+        (o.sum() + (ht * weight.to(ht.device)).sum()).backward()
+        grads[backend] = [x.grad for x in leaves] + ([] if h0 is None else [h0.grad])
+    for ours, theirs in zip(grads["torch"], grads[AUTO]):
+        assert theirs is not None and ours is not None and ours.shape == theirs.shape
+        assert torch.equal(ours, theirs)
