@@ -71,6 +71,10 @@ BAD = [
     ("A_log missing", dict(A_log=None, lower_bound=None, safe_gate=False), ValueError, "`A_log`"),
     ("A_log shape", dict(A_log=torch.rand(HV_ + 1)), ValueError, "`A_log`"),
     ("dt_bias shape", dict(dt_bias=torch.rand(HV_ * K_ + 1)), ValueError, "`dt_bias`"),
+    # (taken and cast until a review of 2026-12-07: complex lost its imaginary part with a warning)
+    ("A_log complex", dict(A_log=torch.rand(HV_, dtype=torch.complex64)), TypeError, "`A_log` must be a floating"),
+    ("A_log int", dict(A_log=torch.ones(HV_, dtype=torch.int64)), TypeError, "`A_log` must be a floating"),
+    ("dt_bias bool", dict(dt_bias=torch.ones(HV_ * K_, dtype=torch.bool)), TypeError, "`dt_bias` must be a floating"),
     ("neg eigval without sigmoid", dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "`allow_neg_eigval"),
     ("intermediate states", dict(return_intermediate_states=True), ValueError, "`return_intermediate_states"),
     ("scale", dict(scale=float("nan")), TypeError, "`scale`"),

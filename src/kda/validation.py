@@ -266,6 +266,10 @@ def _check_gate_params(
             a = a.reshape(HV)  # a reshape costs about a microsecond even when it changes nothing
         if a.device != device:
             _require_device("A_log", a, device)
+        if (
+            a.dtype != dtype and not a.dtype.is_floating_point
+        ):  # (complex lost its imaginary part, a review of 2026-12-07)
+            raise TypeError(f"`A_log` must be a floating-point tensor, got {a.dtype}")
         A_log = (a if a.dtype == dtype else a.to(dtype)).contiguous()
     if dt_bias is not None:
         d = dt_bias if isinstance(dt_bias, Tensor) else _require_tensor("dt_bias", dt_bias)
@@ -276,6 +280,8 @@ def _check_gate_params(
             d = d.reshape(HV, K)
         if d.device != device:
             _require_device("dt_bias", d, device)
+        if d.dtype != dtype and not d.dtype.is_floating_point:
+            raise TypeError(f"`dt_bias` must be a floating-point tensor, got {d.dtype}")
         dt_bias = (d if d.dtype == dtype else d.to(dtype)).contiguous()
     return A_log, dt_bias
 
