@@ -394,7 +394,8 @@ def check_problem(
     if g.dtype not in gate_dtypes or beta.dtype not in gate_dtypes:
         for name, x in (("g", g), ("beta", beta)):
             if x.dtype not in gate_dtypes:
-                raise TypeError(f"`{name}` must have q's dtype ({dtype}) or float32, got {x.dtype}")
+                allowed = " or ".join(str(d) for d in gate_dtypes)
+                raise TypeError(f"`{name}` must be {allowed} (q's dtype or a wider float), got {x.dtype}")
     device = q.device
     if k.device != device or v.device != device or g.device != device or beta.device != device:
         _require_devices(device, k=k, v=v, g=g, beta=beta)
