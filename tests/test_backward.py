@@ -790,3 +790,31 @@ def test_no_tokens_backward_runs_on_every_backend(lens, with_state):
     for ours, theirs in zip(grads["torch"], grads[AUTO]):
         assert theirs is not None and ours is not None and ours.shape == theirs.shape
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("lens", [[7, 0, 13, 1], None])
+def test_opcheck_chunk_fwd_every_check(lens):
+    """torch.library.opcheck's every check on the training op, varlen and batched: a varlen call's
+    checkpoint rows past the real ones were left uninitialised, so two runs' outputs differed and
+    test_aot_dispatch_dynamic failed (a review of 2026-12-07)."""
+    from kda.autograd import _problem_args, chunk_fwd
+
+    case = make_case(seq_lens=lens, B=2, T=21, H=1, HV=2, K=16, V=16, gate="softplus", device=DEVICE, seed=34)
+    leaves = [x.detach().clone().requires_grad_() for x in case.tensors()]
+    p = checked_problem(kda.chunk_kda, *leaves, **case.kwargs())
+    torch.library.opcheck(chunk_fwd, (*_problem_args(p), True))
+
+
+def test_chunk_fwd_without_checkpoints_refuses_a_backward():
+    """kda::chunk_fwd called directly with save_checkpoints=False on inputs that require grad: a
+    backward is refused by name (it ran the backward on the empty checkpoint tensor: a segfault
+    under the interpreter, an out-of-bounds read on a GPU; a review of 2026-12-07)."""
+    from kda.autograd import _problem_args, chunk_fwd
+
+    case = make_case(T=20, H=1, K=16, V=16, device=DEVICE, seed=35)
+    leaves = [x.detach().clone().requires_grad_() for x in case.tensors()]
+    p = checked_problem(kda.chunk_kda, *leaves, **case.kwargs())
+    o, _, checkpoints = chunk_fwd(*_problem_args(p), False)
+    assert checkpoints.numel() == 0
+    with pytest.raises(RuntimeError, match="save_checkpoints=False"):
+        o.sum().backward()

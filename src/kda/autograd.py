@@ -67,7 +67,7 @@ def chunk_fwd(
     backend accepted): ``(o, final_state or an empty tensor, checkpoints or an empty tensor)``.
     Either path writes the checkpoints the Triton backward starts from."""
     from kda.triton import chunk_forward
-    from kda.triton.training import checkpoint_shape, train_forward
+    from kda.triton.training import new_checkpoints, train_forward
 
     p = _problem(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, lower_bound,
                  output_final_state, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate,
@@ -78,7 +78,7 @@ def chunk_fwd(
             from kda.cuda.forward import chunk_forward as cuda_chunk_forward
 
             if save_checkpoints:
-                checkpoints = q.new_empty(checkpoint_shape(p), dtype=torch.float32)
+                checkpoints = new_checkpoints(p)
                 o, ht = cuda_chunk_forward(p, checkpoints)
             else:
                 (o, ht), checkpoints = cuda_chunk_forward(p), q.new_empty(0, dtype=torch.float32)
@@ -157,10 +157,16 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scalars = inputs[10:PROBLEM_ARGS]
     ctx.has_initial_state = inputs[7] is not None
     ctx.use_cuda = bool(inputs[PROBLEM_ARGS + 1])  # (torch passes defaulted arguments too)
+    ctx.saved_checkpoints = bool(inputs[PROBLEM_ARGS])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dht, _dcheckpoints):
+    if not ctx.saved_checkpoints:  # the backward would read the empty tensor (a review of 2026-12-07)
+        raise RuntimeError(
+            "kda::chunk_fwd was called with save_checkpoints=False: its outputs have no backward "
+            "(call it with save_checkpoints=True, as kda.chunk_kda does for inputs that require grad)"
+        )
     *tensors, checkpoints = ctx.saved_tensors
     q = tensors[0]
     if do is None:  # only the final state was used

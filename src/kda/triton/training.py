@@ -30,9 +30,21 @@ def checkpoint_shape(p: Problem) -> tuple[int, int, int, int]:
     return (checkpoint_rows(p.B, p.T, p.N, p.cu_seqlens is not None), p.HV, p.V, p.K)
 
 
+def new_checkpoints(p: Problem) -> torch.Tensor:
+    """The checkpoint tensor of :func:`checkpoint_shape` for a forward to fill. A varlen call's rows
+    past the real ones (at most N, as sum_n ceil(L_n / 64) >= ceil(T / 64)) are zeros, not left
+    uninitialised: they are never read, but they are an output of ``kda::chunk_fwd``, which
+    torch.library.opcheck found differing between two runs (a review of 2026-12-07). The last N
+    rows are zeroed before the forward writes the real ones among them: N rows, not the tensor."""
+    checkpoints = p.q.new_empty(checkpoint_shape(p), dtype=torch.float32)
+    if p.cu_seqlens is not None:
+        checkpoints[-min(p.N, checkpoints.shape[0]) :].zero_()
+    return checkpoints
+
+
 def train_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(o, final_state, checkpoints)``: the forward, saving what the backward needs."""
-    checkpoints = p.q.new_empty(checkpoint_shape(p), dtype=torch.float32)
+    checkpoints = new_checkpoints(p)
     o, ht = chunk_forward(p, checkpoints=checkpoints)
     return o, ht, checkpoints
 
