@@ -330,3 +330,33 @@ def test_gpu_chunk_chains_of_more_than_65535_sequence_heads():
     assert rel(o[:, rows], o1) <= 1e-5
     for g, g1 in zip(grads, grads1):
         assert rel(g[:, rows], g1) <= 1e-5
+
+
+INTERPRETER_UNDER_FUNC_GRAD = """
+import torch, kda
+q, k, v = (torch.randn(1, 20, 1, 16) for _ in range(3))
+g, b = -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1)
+try:  # the process's first Triton call, under a transform (torch refuses the custom op there)
+    torch.func.grad(lambda q: kda.chunk_kda(q, k, v, g, b, backend="triton")[0].sum())(q)
+except Exception as e:
+    print("under grad:", type(e).__name__)
+kda.chunk_kda(q, k, v, g, b, backend="triton")
+print("triton ran")
+"""
+
+
+def test_interpreter_probe_first_run_under_func_grad_does_not_turn_triton_off():
+    """The interpreter's probe (triton.common.interpreter_fault, cached for the process) run first
+    under torch.func.grad saw wrapped tensors and cached a false NumPy fault, turning the Triton
+    backend off for the rest of the process (a review of 2026-12-07). A fresh process, since the
+    answer is cached."""
+    import subprocess
+    import sys
+
+    from kda.triton.common import interpreting
+
+    if not interpreting():
+        pytest.skip("the probe runs under the CPU interpreter only (TRITON_INTERPRET=1)")
+    run = subprocess.run([sys.executable, "-c", INTERPRETER_UNDER_FUNC_GRAD], capture_output=True, text=True,
+                         timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})  # fmt: skip
+    assert "triton ran" in run.stdout, run.stdout + run.stderr[-2000:]

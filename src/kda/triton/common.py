@@ -47,9 +47,13 @@ def interpreter_fault() -> str | None:
     3.6.0's interpreter with NumPy 2.4 fails on every loop whose bounds are loaded from memory
     (it calls int() on a one-element array, which NumPy 2.4 refuses); NumPy 2.3 or Triton 3.9
     run it. Probed once with a loop of that form rather than by version numbers."""
-    offsets, out = torch.tensor([2, 5]), torch.zeros(1, dtype=torch.int64)
+    # Outside any torch.func transform: the answer is cached for the process, and a first call
+    # under torch.func.grad saw wrapped tensors the interpreter cannot read and cached a false
+    # NumPy fault (a review of 2026-12-07).
     try:
-        _loop_bound_probe[(1,)](offsets, out)
+        with torch._C._DisableFuncTorch():
+            offsets, out = torch.tensor([2, 5]), torch.zeros(1, dtype=torch.int64)
+            _loop_bound_probe[(1,)](offsets, out)
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the answer
         import numpy
 
