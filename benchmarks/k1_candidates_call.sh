@@ -14,9 +14,10 @@ echo "card: $card"
 if [[ $card == *H200* ]]; then
   # The likeliest winners first (an A/B cut short still says what it timed; 2026-12-06); last, the
   # mma.sync K2 for the far gates (the far twin is the default since 64dcbef).
+  # (K1_BUILDS="-all3 -aw" and K1_FAR=0: a shorter A/B for a call with little device time, 2026-12-07)
   ab=".kernels:auto"
-  for b in -all3 -aw -atf32 -wtf32 -so; do ab+=" .kernels$b:auto"; done
-  ab+=" .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
+  for b in ${K1_BUILDS:--all3 -aw -atf32 -wtf32 -so}; do ab+=" .kernels$b:auto"; done
+  [[ ${K1_FAR:-1} == 1 ]] && ab+=" .kernels:auto:KDA_CUDA_FAR_WGMMA=0"
   timeout ${AB_TIMEOUT:-540} env AB_LONG_CASES=1,3 WIDTH_AB="$ab" WIDTH_AB_ROUNDS=${K1_ROUNDS:-2} OUT=$OUT \
     bash benchmarks/gpu_session.sh widthab 2>&1 | tail -40
   # (the summary again: a call cut short by the timeout never printed it; the lines are in $OUT)
