@@ -122,6 +122,8 @@ class Problem:
 def _real_or_none(x: object) -> float | None:
     """A real number (Python or numpy, any float width; not bool) as a float, inf for an integer past
     the float range (so that the caller's finiteness check names it); None for anything else."""
+    if type(x) is float:  # the usual case first: an ABC check costs host time on every call
+        return x
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         return None
     try:
@@ -266,9 +268,8 @@ def _check_gate_params(
             a = a.reshape(HV)  # a reshape costs about a microsecond even when it changes nothing
         if a.device != device:
             _require_device("A_log", a, device)
-        if (
-            a.dtype != dtype and not a.dtype.is_floating_point
-        ):  # (complex lost its imaginary part, a review of 2026-12-07)
+        # (a complex A_log lost its imaginary part in the cast, a review of 2026-12-07)
+        if a.dtype != dtype and not a.dtype.is_floating_point:
             raise TypeError(f"`A_log` must be a floating-point tensor, got {a.dtype}")
         A_log = (a if a.dtype == dtype else a.to(dtype)).contiguous()
     if dt_bias is not None:
