@@ -26,13 +26,18 @@ def q(x, f):
     return float(torch.quantile(x.double(), f))
 
 
+def trace_table(o):
+    """Every CTA's trace of the launch that wrote ``o``: start ns, end ns, then the four cycle counts."""
+    return o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :8].cpu()
+
+
 for mode in ("plain", "pool"):
     p = decode_problem(N, dtype, mode)
     ms = graph_ms(lambda: decode(p, columns))
     for _ in range(5):  # back-to-back launches, the last one read
         o, _ = decode(p, columns)
     torch.cuda.synchronize()
-    tr = o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :8].cpu()
+    tr = trace_table(o)
     start, end = tr[:, 0], tr[:, 1]
     t0 = start.min()
     life_ns = (end - start).double()
@@ -57,32 +62,16 @@ for mode in ("plain", "pool"):
     print(json.dumps(out), flush=True)
 
 
-def trace_rows(o):
-    """(start ns, end ns) of every CTA of the launch that wrote ``o``."""
-    tr = o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :2].cpu()
-    return tr[:, 0], tr[:, 1]
-
-
 for mode in ("plain", "pool"):
     p = decode_problem(N, dtype, mode)
-    decode(p, columns)
-    torch.cuda.synchronize()
     outs = []
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        decode(p, columns)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_LAUNCHES):
-            outs.append(decode(p, columns)[0])  # kept: each launch's trace in its own output
-    import triton.testing
 
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    for _ in range(3):
-        graph.replay()
+    def launches():  # graph_ms captures its last call: these outputs hold the replays' traces
+        outs[:] = [decode(p, columns)[0] for _ in range(GRAPH_LAUNCHES)]
+
+    ms = graph_ms(launches)
     torch.cuda.synchronize()
-    rows = [trace_rows(o) for o in outs]
+    rows = [(tr[:, 0], tr[:, 1]) for tr in map(trace_table, outs)]
     spans = [float(end.max() - start.min()) / 1e3 for start, end in rows]
     gaps = [float(rows[i + 1][0].min() - rows[i][1].max()) / 1e3 for i in range(len(rows) - 1)]
     print(
