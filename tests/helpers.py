@@ -304,8 +304,8 @@ def gradients(
     if final_state_grad and ht is not None:
         dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device, ht.dtype)
         loss = loss + (ht * dht).sum()
-    if not loss.requires_grad:  # nothing reaches the loss (no tokens, no state): every gradient is zero
-        return {name: torch.zeros_like(x) for name, x in leaves.items()}
+    if not leaves:
+        return {}
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
     if outputs:
         return {"o": o.detach(), "ht": ht.detach(), **dict(zip(leaves, grads))}

@@ -792,6 +792,38 @@ def test_no_tokens_backward_runs_on_every_backend(lens, with_state):
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("trained", ["q", "A_log", "dt_bias", "initial_state"])
+@pytest.mark.parametrize("B,T", [(2, 0), (0, 5)])
+@pytest.mark.parametrize("loss_on_state", [False, True])
+def test_no_tokens_backward_for_any_trained_input(B, T, trained, loss_on_state):
+    """No tokens (T = 0, or B = 0 with T > 0) and one input that requires grad, the gate's
+    parameters and the initial state among them, the loss on o alone or on o and the final
+    state: the torch backend's backward runs and gives Triton's gradients (zeros for the gate's
+    parameters, the state's own for h0). Before 2026-12-07 (a review of the backward) only the
+    token inputs at T = 0 were linked, and these calls raised "does not require grad"."""
+    gen = torch.Generator().manual_seed(35)
+    q, k, v, g = (torch.randn(B, T, 1, 8, generator=gen, device=DEVICE) for _ in range(4))
+    beta = torch.randn(B, T, 1, generator=gen, device=DEVICE)
+    fixed = dict(q=q, initial_state=torch.randn(B, 1, 8, 8, generator=gen, device=DEVICE),
+                 A_log=torch.rand(1, generator=gen, device=DEVICE), dt_bias=torch.rand(8, generator=gen, device=DEVICE))  # fmt: skip
+    grads = {}
+    for backend in ("torch", AUTO):
+        leaves = {name: x.clone().requires_grad_(name == trained) for name, x in fixed.items()}
+        o, ht = kda.chunk_kda(leaves["q"], k, v, g, beta, initial_state=leaves["initial_state"],
+                              output_final_state=True, use_gate_in_kernel=True, A_log=leaves["A_log"],
+                              dt_bias=leaves["dt_bias"], backend=backend)  # fmt: skip
+        loss = o.sum() + (ht.square().sum() if loss_on_state else 0)
+        loss.backward()
+        grads[backend] = leaves[trained].grad
+    ours, theirs = grads["torch"], grads[AUTO]
+    assert ours is not None and theirs is not None and ours.shape == fixed[trained].shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    if trained != "initial_state" or not loss_on_state or B == 0:
+        assert not ours.any(), "no token and no state in the loss: the gradient is zero"
+    else:
+        assert ours.abs().sum() > 0, "the final state is the initial one: its gradient reaches h0"
+
+
 @pytest.mark.parametrize("lens", [[7, 0, 13, 1], None])
 def test_opcheck_chunk_fwd_every_check(lens):
     """torch.library.opcheck's every check on the training op, varlen and batched: a varlen call's

@@ -73,20 +73,26 @@ class TorchBackend:
             )  # fmt: skip
             return o.to(p.q.dtype), p.pool
         o, ht = run_reference(p, p.state_dtype, recurrent=p.op == "fused_recurrent_kda")
-        if p.T == 0:
+        if p.B * p.T == 0:
             o, ht = _attached_to_empty_inputs(p, o, ht)
         return o.to(p.q.dtype), (None if ht is None else ht.to(p.final_state_dtype))
 
 
 def _attached_to_empty_inputs(p: Problem, o: torch.Tensor, ht: torch.Tensor | None) -> tuple:
-    """No tokens: the reference forms o (and a final state without an initial one) by no arithmetic
-    on the inputs, so autograd saw no link and a backward raised, where the Triton backend's ran
-    with empty gradients (a review of 2026-12-07). The inputs are empty: their sum is exactly 0,
-    and adding it links them without changing a value."""
-    tokens = [x for x in (p.q, p.k, p.v, p.g, p.beta) if x.requires_grad]
-    if not tokens or not torch.is_grad_enabled():
+    """No tokens (T = 0, or B = 0): the reference forms o (and a final state without an initial
+    one) by no arithmetic on the inputs, so autograd saw no link and a backward raised, where the
+    Triton backend's ran with zero gradients (reviews of 2026-12-07: the token inputs, then the
+    gate's parameters, the initial state and B = 0). The sum of an empty slice of each input that
+    requires grad is exactly 0 whatever the input holds (inf and NaN included): adding it links
+    the input without changing a value."""
+    linked = [
+        x
+        for x in (p.q, p.k, p.v, p.g, p.beta, p.A_log, p.dt_bias, p.initial_state)
+        if x is not None and x.requires_grad
+    ]
+    if not linked or not torch.is_grad_enabled():
         return o, ht
-    zero = sum(x.sum() for x in tokens)
+    zero = sum(x.flatten()[:0].sum() for x in linked)
     return o + zero.to(o.dtype), None if ht is None else ht + zero.to(ht.dtype)
 
 
