@@ -804,8 +804,9 @@ def test_no_tokens_backward_for_any_trained_input(B, T, trained, loss_on_state):
     gen = torch.Generator().manual_seed(35)
     q, k, v, g = (torch.randn(B, T, 1, 8, generator=gen, device=DEVICE) for _ in range(4))
     beta = torch.randn(B, T, 1, generator=gen, device=DEVICE)
-    fixed = dict(q=q, initial_state=torch.randn(B, 1, 8, 8, generator=gen, device=DEVICE),
-                 A_log=torch.rand(1, generator=gen, device=DEVICE), dt_bias=torch.rand(8, generator=gen, device=DEVICE))  # fmt: skip
+    h0 = torch.randn(B, 1, 8, 8, generator=gen, device=DEVICE)
+    A_log, dt_bias = torch.rand(1, generator=gen, device=DEVICE), torch.rand(8, generator=gen, device=DEVICE)
+    fixed = dict(q=q, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
     grads = {}
     for backend in ("torch", AUTO):
         leaves = {name: x.clone().requires_grad_(name == trained) for name, x in fixed.items()}
