@@ -647,18 +647,25 @@ def test_triton_gradients_through_hard_resets(gate, value):
     assert_gradients_close(got, ref, fp32_bars(case, ref, got))
 
 
-def test_triton_gradients_through_an_infinite_softplus_gate():
-    """A raw softplus gate of +inf (an activation that overflowed): the gate is held at
-    reference.GATE_FLOOR, a hard reset, so every gradient is that of a huge finite raw gate,
-    dA_log included. The yardstick is the same inputs with 1e30 there: float64 autograd of the
-    token loop forms 0 * inf = NaN for dA_log at +inf itself. (A mutation audit of 2026-12-05
-    found the floor dropped from the Triton kernels passing every test: dA_log became NaN.)"""
-    case = make_case(seq_lens=[40, 9], H=1, HV=2, K=16, V=16, gate="softplus", device=DEVICE, seed=52)
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound"])
+def test_gradients_through_an_infinite_raw_gate(gate):
+    """Raw gates of +inf and -inf (activations that overflowed): the gate saturates (softplus:
+    held at reference.GATE_FLOOR, a hard reset, or 0; lower bound: lb or 0), so every gradient is
+    that of a huge finite raw gate, dA_log included. The yardstick is the same inputs with +-1e30
+    there, by float64 autograd of the token loop; the torch backend on the infinite inputs must
+    equal it too. (A mutation audit of 2026-12-05 found the softplus floor dropped from the Triton
+    kernels passing every test: dA_log became NaN. A review of 2026-12-07 found dA_log NaN on
+    both backends for the lower-bound gate at +-inf, and on the torch backend for softplus at
+    +inf: 0 * inf where the sigmoid's derivative was exactly 0.)"""
+    case = make_case(seq_lens=[40, 9], H=1, HV=2, K=16, V=16, gate=gate, device=DEVICE, seed=52)
     huge = dataclasses.replace(case, g=case.g.clone())
-    for t, hv, channels in ((0, 0, [0]), (5, 1, [1, 2]), (16, 1, list(range(16))), (44, 0, [5])):
-        case.g[0, t, hv, channels] = float("inf")
-        huge.g[0, t, hv, channels] = 1e30
+    for t, hv, channels, sign in ((0, 0, [0], 1), (5, 1, [1, 2], -1), (16, 1, list(range(16)), 1), (44, 0, [5], -1)):
+        case.g[0, t, hv, channels] = sign * float("inf")
+        huge.g[0, t, hv, channels] = sign * 1e30
     ref = fp64_gradients(huge)
+    reference_on_inf = fp64_gradients(case)
+    for name in ref:
+        torch.testing.assert_close(reference_on_inf[name], ref[name], rtol=1e-12, atol=1e-12, msg=f"torch, d{name}")
     got = gradients(case, "triton")
     assert_gradients_close(got, ref, fp32_bars(huge, ref, got))
 
@@ -851,3 +858,4 @@ def test_chunk_fwd_without_checkpoints_refuses_a_backward():
     assert checkpoints.numel() == 0
     with pytest.raises(RuntimeError, match="save_checkpoints=False"):
         o.sum().backward()
+

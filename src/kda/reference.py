@@ -44,10 +44,18 @@ def gate_lower_bound(
     ``g_raw`` is ``[..., HV, K]``; ``A_log`` is ``[HV]`` (None drops the ``exp(A_log)``
     factor); ``dt_bias`` is ``[HV, K]`` or None.
     """
-    x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
+    x = _finite(g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype))
     if A_log is not None:
         x = A_log.to(g_raw.dtype).exp().unsqueeze(-1) * x
     return lower_bound * torch.sigmoid(x)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with +-inf replaced by the dtype's largest finite value, NaN kept. Both gates saturate
+    there to the values they take at +-inf (exp(A_log) times it may overflow to inf again, after
+    which nothing is multiplied by it), but their derivative is exactly 0 there, and autograd formed
+    dA_log as 0 * inf = NaN from one overflowed activation (a review of 2026-12-07)."""
+    return torch.where(x.isinf(), x.sign() * torch.finfo(x.dtype).max, x)
 
 
 # The softplus gate's output is held at or above this: a hard reset either way (far below
@@ -58,7 +66,7 @@ GATE_FLOOR = -1e30
 def gate_softplus(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """The unbounded gate: ``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, in
     ``[GATE_FLOOR, 0]``."""
-    x = g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype)
+    x = _finite(g_raw if dt_bias is None else g_raw + dt_bias.to(g_raw.dtype))
     return (-A_log.to(g_raw.dtype).exp().unsqueeze(-1) * F.softplus(x)).clamp(min=GATE_FLOOR)
 
 

@@ -542,8 +542,9 @@ def chunk_input_grads_kernel(
                 sig = tl.sigmoid(a * x)
                 d_z = tl.where(mask, d_g * lower_bound * sig * (1.0 - sig), 0.0)
                 d_x = d_z * a
-                if HAS_A_LOG:
-                    tl.store(dA_log_part + ws * slices + s, tl.sum(tl.sum(d_z * a * x, axis=1), axis=0))
+                if HAS_A_LOG:  # d_z is exactly 0 where the sigmoid saturates, x = +-inf among them: not 0 * inf
+                    d_a = d_z * a * tl.where(d_z == 0.0, 0.0, x)
+                    tl.store(dA_log_part + ws * slices + s, tl.sum(tl.sum(d_a, axis=1), axis=0))
             elif GATE == 2:  # g = -a softplus(x)
                 d_x = tl.where(mask, -a * d_g * tl.sigmoid(x), 0.0)
                 if HAS_A_LOG:  # b_g is 0 off the chunk's rows and columns
