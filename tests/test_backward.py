@@ -859,3 +859,51 @@ def test_chunk_fwd_without_checkpoints_refuses_a_backward():
     with pytest.raises(RuntimeError, match="save_checkpoints=False"):
         o.sum().backward()
 
+
+@pytest.mark.parametrize("transform", ["forward_ad", "jvp", "grad"])
+def test_autograd_transforms_run_on_the_torch_backend(transform):
+    """Forward-mode AD (a dual tensor) and torch.func's transforms: the kernels have no forward
+    formula and cannot see through functorch's wrappers, so backend="auto" runs the torch backend
+    (the rejections in the log) and an explicit Triton call is refused by name. Until a review of
+    2026-12-07 a dual input on the Triton path lost its tangent silently (o's came back None) and
+    jvp and grad failed inside torch with messages that did not name the cause."""
+    import torch.autograd.forward_ad as fwAD
+
+    case = make_case(seq_lens=[20, 7], H=1, HV=2, K=8, V=8, gate="softplus", device=DEVICE, seed=36)
+    q, k, v, g, beta = case.tensors()
+    kw = case.kwargs(output_final_state=False)
+    tangent = torch.randn_like(v)
+
+    def run(x, backend):
+        return kda.chunk_kda(q, k, x, g, beta, **kw, backend=backend)[0]
+
+    def apply(backend):
+        if transform == "forward_ad":
+            with fwAD.dual_level():
+                t = fwAD.unpack_dual(run(fwAD.make_dual(v, tangent), backend)).tangent
+            assert t is not None, "the tangent was dropped"
+            return t
+        if transform == "jvp":
+            return torch.func.jvp(lambda x: run(x, backend), (v,), (tangent,))[1]
+        return torch.func.grad(lambda x: (run(x, backend) * tangent[..., :1]).sum())(v)
+
+    want = apply("torch")
+    with kda.record_dispatch() as events:
+        got = apply("auto")
+    assert [e for e in events if e.startswith("chunk_kda ->")][0].startswith("chunk_kda -> torch"), events
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got.abs().sum() > 0, "a derivative of zero: a dropped tangent"
+    with pytest.raises(kda.BackendUnavailableError, match="backend='torch'"):
+        apply("triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
+def test_vmap_is_refused_by_name(backend):
+    """torch.func.vmap over kda's inputs: refused on every backend with a ValueError that names
+    the input and says what to do (the torch backend failed deep inside the reference on an
+    in-place write, the kernels on a wrapper without storage; a review of 2026-12-07)."""
+    case = make_case(seq_lens=[20, 7], H=1, HV=2, K=8, V=8, gate="softplus", device=DEVICE, seed=37)
+    q, k, v, g, beta = case.tensors()
+    kw = case.kwargs(output_final_state=False)
+    with pytest.raises(ValueError, match="`v` is batched by torch.func.vmap"):
+        torch.vmap(lambda x: kda.chunk_kda(q, k, x, g, beta, **kw, backend=backend)[0])(torch.stack([v, 2 * v]))

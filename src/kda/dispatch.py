@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.autograd import forward_ad
 
 from kda.validation import Problem
 
@@ -185,16 +186,45 @@ def refusal(backend: Backend, problem: Problem) -> str | None:
     return backend.availability() or backend.rejects(problem)
 
 
+_TRANSFORMED_INPUTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "pool")
+
+
+def transformed(problem: Problem) -> str | None:
+    """Why only the torch backend can run ``problem``: an input is a forward-mode AD dual tensor
+    (the kernels have no forward formula: a review of 2026-12-07 found the Triton path dropping
+    the tangent without a word) or a torch.func transform's wrapper (the kernels read raw
+    storage). None outside such transforms, after two checks of about 0.1 us."""
+    dual = forward_ad._current_level >= 0
+    if not dual and not torch._C._are_functorch_transforms_active():
+        return None
+    for name in _TRANSFORMED_INPUTS:
+        x = getattr(problem, name)
+        if x is None:
+            continue
+        if torch._C._functorch.is_batchedtensor(x):
+            raise ValueError(f"`{name}` is batched by torch.func.vmap, which kda does not support on any backend: "
+                             "batch the calls along B or with cu_seqlens instead")  # fmt: skip
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return (
+                f"`{name}` is a torch.func transform's tensor: only backend='torch' runs under grad, jvp and the like"
+            )
+        if dual and forward_ad.unpack_dual(x).tangent is not None:
+            return f"`{name}` is a forward-mode AD dual tensor: the kernels have no forward formula (backend='torch')"
+    return None
+
+
 def select(problem: Problem, requested: str) -> Backend:
     """The backend that runs ``problem``; raises if an explicit choice cannot. A call whose
-    inputs require grad needs a backward: a backend without one rejects it, saying so."""
+    inputs require grad needs a backward: a backend without one rejects it, saying so; a call
+    under an autograd transform the kernels cannot follow (:func:`transformed`) runs on torch."""
     compiling = torch.compiler.is_compiling()
+    only_torch = None if compiling else transformed(problem)
     if compiling:  # the backends' modules are imported here, at trace time, outside the graph
         for name in AUTO_ORDER if requested == "auto" else (requested,):
             _traced_availability(name)
     if requested != "auto":
         backend = _backends.get(requested) or get_backend(requested)  # get_backend: the first call, or a bad name
-        reason = refusal(backend, problem)
+        reason = refusal(backend, problem) or (only_torch if requested != "torch" else None)
         if reason is not None:
             raise BackendUnavailableError(f"backend={requested!r} cannot run {problem.describe()}: {reason}")
         chosen = backend
@@ -203,6 +233,8 @@ def select(problem: Problem, requested: str) -> Backend:
         for name in AUTO_ORDER:
             backend = _backends.get(name) or get_backend(name)
             reason = refusal(backend, problem) or backend.auto_rejects(problem)
+            if reason is None and name != "torch":
+                reason = only_torch
             if reason is None:
                 chosen = backend
                 break
