@@ -808,11 +808,11 @@ def test_no_tokens_backward_for_any_trained_input(B, T, trained, loss_on_state):
     state: the torch backend's backward runs and gives Triton's gradients (zeros for the gate's
     parameters, the state's own for h0). Before 2026-12-07 (a review of the backward) only the
     token inputs at T = 0 were linked, and these calls raised "does not require grad"."""
-    gen = torch.Generator().manual_seed(35)
-    q, k, v, g = (torch.randn(B, T, 1, 8, generator=gen, device=DEVICE) for _ in range(4))
-    beta = torch.randn(B, T, 1, generator=gen, device=DEVICE)
-    h0 = torch.randn(B, 1, 8, 8, generator=gen, device=DEVICE)
-    A_log, dt_bias = torch.rand(1, generator=gen, device=DEVICE), torch.rand(8, generator=gen, device=DEVICE)
+    gen = torch.Generator().manual_seed(35)  # drawn on the CPU (a CPU generator), then moved
+    q, k, v, g = (torch.randn(B, T, 1, 8, generator=gen).to(DEVICE) for _ in range(4))
+    beta = torch.randn(B, T, 1, generator=gen).to(DEVICE)
+    h0 = torch.randn(B, 1, 8, 8, generator=gen).to(DEVICE)
+    A_log, dt_bias = torch.rand(1, generator=gen).to(DEVICE), torch.rand(8, generator=gen).to(DEVICE)
     fixed = dict(q=q, initial_state=h0, A_log=A_log, dt_bias=dt_bias)
     grads = {}
     for backend in ("torch", AUTO):
