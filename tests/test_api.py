@@ -160,6 +160,28 @@ def test_cli_compare_refuses_bad_arguments_in_one_line(args, says):
     assert len(lines) == 1 and says in lines[0], res.stderr
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--cases", "abc"], "argument --cases: expected comma-separated case numbers"),
+        (["--cases", "-1"], "argument --cases: expected comma-separated case numbers"),
+        (["--cases", "99"], "--cases: no case 99 (the anchor cases are 0 to"),
+        (["--long", "--cases", "0,12"], "--cases: no case 12 (the long cases are 0 to"),
+        (["--train", "--cases", "40"], "--cases: no case 40 (the training cases are 0 to"),
+        (["--decode", "--cases", "0"], "--decode times its fixed cases and every contender"),
+        (["--decode", "--impls", "fla"], "--decode times its fixed cases and every contender"),
+    ],
+)
+def test_cli_bench_refuses_bad_arguments_in_one_line_before_any_work(args, says):
+    """`kda bench` with a bad --cases, or options --decode would ignore: one line and status 2,
+    on any machine (checked before the GPU test), where --cases ended in a traceback after the
+    bench's first GPU work and --decode dropped --impls and --cases unread (a review, 2026-12-07)."""
+    res = run_cli("bench", *args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], res.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for the CUDA backend where no GPU makes it unavailable")
 def test_cli_compare_fails_on_an_unavailable_backend_asked_for_by_name():
     res = run_cli("compare", "--backends", "cuda", "--T", "4")

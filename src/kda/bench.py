@@ -454,7 +454,7 @@ def main(args) -> int:
     stem = f"{gpu_slug(props.name)}-{date}{args.tag}"
     cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
     if args.cases:
-        cases = [ANCHOR_CASES[int(i)] for i in args.cases.split(",")]
+        cases = [ANCHOR_CASES[i] for i in args.cases]
     clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)
@@ -588,7 +588,7 @@ def train_main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{gpu_slug(props.name)}-{date}-train{args.tag}"
-    cases = [TRAIN_CASES[int(i)] for i in args.cases.split(",")] if args.cases else TRAIN_CASES
+    cases = [TRAIN_CASES[i] for i in args.cases] if args.cases else TRAIN_CASES
     import kda
 
     for case in cases:

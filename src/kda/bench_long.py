@@ -145,7 +145,7 @@ def long_main(args) -> int:
     stem = f"{stem}-long{args.tag}"
     cases = LONG_CASES[:2] if args.quick else LONG_CASES
     if args.cases:  # as the other benches: 0-based numbers
-        cases = [LONG_CASES[int(i)] for i in args.cases.split(",")]
+        cases = [LONG_CASES[i] for i in args.cases]
     clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)

@@ -48,6 +48,17 @@ def sequence_lengths(text: str) -> list[int]:
     return lens
 
 
+def case_numbers(text: str) -> list[int]:
+    """argparse type: comma-separated 0-based case numbers (their range is the bench's: cmd_bench)."""
+    try:
+        numbers = [int(x) for x in text.split(",")]
+    except ValueError:
+        numbers = [-1]
+    if any(n < 0 for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected comma-separated case numbers (0-based) such as 0,2, got {text!r}")
+    return numbers
+
+
 def backend_list(text: str) -> list[str]:
     """argparse type: comma-separated backend names."""
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -228,6 +239,21 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kda import bench
 
+    # Checked before the bench's GPU test and first GPU work (a bad number raised there, after
+    # minutes, until a review of 2026-12-07)
+    if args.decode:
+        if args.cases is not None or args.impls is not None:
+            args.error("--decode times its fixed cases and every contender: leave out --cases and --impls")
+    elif args.cases is not None:
+        if args.long:
+            from kda.bench_long import LONG_CASES as table
+
+            what = "long"
+        else:
+            table, what = (bench.TRAIN_CASES, "training") if args.train else (bench.ANCHOR_CASES, "anchor")
+        for n in args.cases:
+            if n >= len(table):
+                args.error(f"--cases: no case {n} (the {what} cases are 0 to {len(table) - 1})")
     return bench.main(args)
 
 
@@ -281,14 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="--train without the gradient-accuracy rows (they run at H32: on a cold autotune cache fla tunes that "
         "head count for minutes before the cases start)",
     )
-    bench.add_argument("--cases", default=None, help="comma-separated case numbers (0-based) to run, default: all")
+    bench.add_argument("--cases", type=case_numbers, default=None,
+                       help="comma-separated case numbers (0-based) to run, default: all")  # fmt: skip
     bench.add_argument(
         "--tag", default="", help="suffix for the result file names (partial runs); --tag=-x for a leading dash"
     )
     bench.add_argument(
         "--impls", default=None, help="comma-separated subset of the contenders (e.g. kda-cuda,fla), default: all"
     )
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=cmd_bench, error=bench.error)
     return parser
 
 
