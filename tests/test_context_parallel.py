@@ -395,3 +395,71 @@ def test_cp_group_refusals():
     case = make_case(B=1, T=20, H=1, K=16, V=8, seed=72)
     with pytest.raises(ValueError, match="initialised torch.distributed"):
         kda.chunk_kda(*case.tensors(), cp_group=object(), **case.kwargs())
+
+
+# (name, overrides of the call's arguments by rank (None: every rank), the error expected on
+# each rank: the refused rank's own, the other's "rank r refused"). The ranks go through them one
+# after another in one process group, so a rank left in a collective would hang the next case
+# (the group's timeout fails it) or pair it with the wrong one.
+OFFSETS = [0, 12, 12, 25, 30]  # packed over 2 ranks of 15 tokens: a sequence crosses, one is empty
+CP_REFUSALS = [
+    ("offsets not non-decreasing", {None: dict(cu_seqlens=[0, 12, 8, 25, 30])}, {0: "non-decr", 1: "non-decr"}),
+    ("offsets not from 0", {None: dict(cu_seqlens=[3, 12, 12, 25, 30])}, {0: "start at 0", 1: "start at 0"}),
+    ("host copy disagrees", {None: dict(cu_seqlens_cpu=[0, 12, 12, 20, 30])}, {0: "disagrees", 1: "disagrees"}),
+    ("float offsets on rank 1", {1: dict(cu_seqlens=[0.0, 12, 12, 25, 30])}, {0: "rank 1 refused", 1: "int64"}),
+    ("state [N, HV, V, K] on rank 0", {0: dict(initial_state="swapped")}, {0: "initial_state", 1: "rank 0 refused"}),
+    ("fp16 state on rank 1", {1: dict(initial_state="fp16")}, {0: "rank 1 refused", 1: "initial_state"}),
+    ("q 3-D on rank 1", {1: dict(q="3-D")}, {0: "rank 1 refused", 1: "`q` must be"}),
+    ("B = 2 with offsets", {None: dict(B=2)}, {0: "batch size must be 1", 1: "batch size must be 1"}),
+    ("offsets on rank 0 only", {1: dict(cu_seqlens=None, initial_state=None)}, {0: "differ", 1: "differ"}),
+    ("other offsets, same weighted sum", {1: dict(cu_seqlens=[0, 13, 13, 24, 30])}, {0: "differ", 1: "differ"}),
+    ("final state on rank 0 only", {1: dict(output_final_state=False)}, {0: "differ", 1: "differ"}),
+    ("pool indices on rank 0", {0: dict(initial_state_indices=[0, 1, 2, 3])}, {0: "_indices", 1: "rank 0 refused"}),
+]  # fmt: skip
+
+
+@exits_without_teardown
+def _refusal_worker(rank, world, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        case = make_case(seq_lens=[12, 0, 13, 5], H=1, HV=2, K=16, V=8, gate="lower_bound", seed=77)
+        span = slice(15 * rank, 15 * rank + 15)
+        for name, overrides, expected in CP_REFUSALS:
+            over = dict(overrides.get(None, {}), **overrides.get(rank, {}))
+            q, k, v, g, beta = (x[:, span].contiguous() for x in case.tensors())
+            if over.pop("B", None) == 2:
+                q, k, v, g, beta = (torch.cat([x, x]) for x in (q, k, v, g, beta))
+            kw = case.kwargs(cu_seqlens=torch.tensor(OFFSETS), cu_seqlens_cpu=None)
+            for key in ("cu_seqlens", "cu_seqlens_cpu", "initial_state_indices"):
+                if key in over and over[key] is not None:
+                    over[key] = torch.tensor(over[key])
+            h0, state = kw["initial_state"], over.pop("initial_state", kw["initial_state"])
+            if isinstance(state, str):
+                state = h0.transpose(-1, -2) if state == "swapped" else h0.half()
+            kw["initial_state"] = state
+            if over.pop("q", None) == "3-D":
+                q = q[0]
+            kw.update(over)
+            with pytest.raises((ValueError, TypeError), match=expected[rank]) as info:
+                kda.chunk_kda(q, k, v, g, beta, cp_group=dist.group.WORLD, backend="torch", **kw)
+            print(f"rank {rank}, {name}: {type(info.value).__name__}: {info.value}", flush=True)
+        # and the group still pairs up: a good call after the refusals equals the unsharded one
+        o_all, ht_all = kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
+        kw = case.kwargs(cu_seqlens=torch.tensor(OFFSETS), cu_seqlens_cpu=None)
+        o, ht = kda.chunk_kda(*(x[:, span].contiguous() for x in case.tensors()), cp_group=dist.group.WORLD,
+                              backend="torch", **kw)  # fmt: skip
+        assert rel(o, o_all[:, span]) <= 1e-5 and rel(ht, ht_all) <= 1e-5
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_arguments_fail_on_every_rank_and_leave_the_group_paired(tmp_path):
+    """Every rank checks its arguments as an ordinary call's before any collective, and the first
+    collective carries whether it refused them: each refusal raises on every rank (the refused
+    rank's own ValueError or TypeError naming the argument, the others' naming that rank), and
+    shapes, offsets or output_final_state that differ between ranks fail on every rank. A review
+    of 2026-12-07 found bad offsets computing wrong answers, one-rank errors leaving the other
+    ranks in a collective, offsets on one rank only aborting the process (gloo), and
+    output_final_state on one rank only hanging until the group's timeout."""
+    mp.spawn(_refusal_worker, args=(2, str(tmp_path / "store")), nprocs=2)

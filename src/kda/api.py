@@ -97,13 +97,16 @@ def chunk_kda(
         from kda.context_parallel import chunk_kda_context_parallel, from_fla_cp_context
 
         kw = _call_kwargs(locals(), kwargs)
-        if initial_state_indices is not None:
-            raise ValueError("context parallelism and `initial_state_indices` cannot be combined")
         if kw.get("cp_context") is not None:  # fla's description: kda's cp_group and global cu_seqlens
             if cp_group is not None:
                 raise ValueError("`cp_group` and fla's `cp_context` are exclusive: pass one")
             cp_group = from_fla_cp_context(kw)
-        return chunk_kda_context_parallel(chunk_kda, cp_group, q, k, v, g, beta, kw)
+        # (raised on every rank, after the ranks' first collective: raised here, on this rank
+        # alone, it left the others waiting in theirs)
+        refusal = None
+        if initial_state_indices is not None:
+            refusal = ValueError("context parallelism and `initial_state_indices` cannot be combined")
+        return chunk_kda_context_parallel(chunk_kda, cp_group, q, k, v, g, beta, kw, refusal)
     if initial_state_indices is not None:
         return _prefill_into_pool(
             q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,

@@ -41,18 +41,74 @@ whole batch's ``cu_seqlens`` (one small all-gather) and runs the packed path; un
 ``initial_state`` and ``output_final_state`` work with it (fla's local offsets drop
 sequences of no tokens, so N counts only the others). Its zigzag layout (two intervals per
 rank) is refused. Collectives run on the group's own timeout.
+
+Arguments: every rank checks its own as an ordinary call's (:func:`check_local`) before any
+collective, and the first collective carries whether it refused them, the shapes, a digest of
+the offsets and ``output_final_state``: a refusal or a difference raises on every rank, and the
+ranks' collectives stay paired.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
+
 import torch
 import torch.distributed as dist
 
+from kda import validation
 from kda.transitions import affine_transitions, kv_layout
 from kda.validation import STATE_DTYPES
 
 
-def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
+def check_local(q, k, v, g, beta, kw: dict) -> None:
+    """This rank's arguments, checked as an ordinary call's (``validation.check_problem``): batched,
+    the call itself; packed, its tensors as one sequence (B = 1), then the whole batch's offsets
+    (their end is checked against every rank's tokens, after the first collective) and an
+    initial state of their N sequences. Until a review of 2026-12-07 nothing was checked here:
+    bad offsets gave wrong answers, and other bad arguments raised raw errors on one rank while
+    the others waited in a collective."""
+    from kda.api import CALL_PARAMETERS
+
+    extras = {name: x for name, x in kw.items() if name not in CALL_PARAMETERS}
+    packed = kw.get("cu_seqlens") is not None
+    h0 = kw.get("initial_state")
+    problem = validation.check_problem(
+        "chunk_kda", q, k, v, g, beta, kw.get("scale"), None if packed else h0, kw.get("output_final_state"),
+        kw.get("use_qk_l2norm_in_kernel"), kw.get("use_gate_in_kernel"), kw.get("use_beta_sigmoid_in_kernel"),
+        kw.get("allow_neg_eigval"), kw.get("safe_gate"), kw.get("lower_bound"), extras.get("A_log"),
+        extras.get("dt_bias"), kw.get("return_intermediate_states"), kw.get("state_v_first"), None, None,
+        kw.get("final_state_dtype"), extras,
+    )  # fmt: skip
+    if not packed:
+        return
+    cu, _, offsets = validation._check_cu_seqlens(kw["cu_seqlens"], kw.get("cu_seqlens_cpu"), problem.B, None, q.device)
+    if offsets is None:  # left unchecked on the device (KDA_CHECK_CU_SEQLENS=0): the ranks read them all the same
+        offsets = validation._check_cu_seqlens(cu.cpu(), None, 1, None, torch.device("cpu"))[2]
+    if h0 is not None:
+        dims = (len(offsets) - 1, problem.HV, problem.K, problem.V)
+        validation.check_initial_state(h0, dims, problem.state_v_first, problem.q.dtype, q.device)
+
+
+# The first collective's message, a fixed length on every rank (a rank without offsets sent 3
+# entries fewer and gloo aborted the process: a review of 2026-12-07): whether the rank refused
+# its arguments, then what must agree, then its token count.
+_FINGERPRINT = ("refused", "B", "H", "K", "HV", "V", "packed", "N + 1", "end", "hash", "hash",
+                "output_final_state", "state bits", "T_local")  # fmt: skip
+
+
+def _offsets_hash(cu: list[int]) -> list[int]:
+    """Two int64 words of a digest of the offsets: (length, end, weighted sum) let different
+    offsets pass as the same (a review of 2026-12-07: [0, 10, 20, 30] and [0, 12, 19, 30])."""
+    digest = hashlib.blake2b(array.array("q", cu).tobytes(), digest_size=16).digest()
+    return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def _check(group, q, v, kw: dict, refusal: Exception | None) -> tuple[int, int, list[int]]:
+    """The group, and the ranks' agreement in one all-gather: a rank that refused its arguments
+    (``refusal``, from :func:`check_local`) makes every rank raise, and so does any difference in
+    the shapes, the offsets or output_final_state. Returns the rank, the world size and every
+    rank's T_local."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("`cp_group` needs an initialised torch.distributed process group")
     try:
@@ -61,18 +117,27 @@ def _check(group, q: torch.Tensor, kw: dict) -> tuple[int, int]:
         raise ValueError(f"`cp_group` is not a usable process group: {err}") from None
     if rank < 0:
         raise ValueError("`cp_group`: this process is not a member of the group")
-    # Every rank must hold the same shapes (packed: any T_local, the same cu_seqlens): one small
-    # all-gather, so a mismatch fails on every rank. Returns every rank's T_local too.
-    cu = _host_offsets(kw)
-    B, T, H, K = q.shape
-    fingerprint = [] if cu is None else [len(cu), cu[-1], sum(i * x for i, x in enumerate(cu))]
-    shape = torch.tensor([B, H, K, *kw["v"].shape[2:], len(fingerprint), *fingerprint, T], dtype=torch.int64,
-                         device=_device(group, q))  # fmt: skip
+    fingerprint = [1] + [0] * (len(_FINGERPRINT) - 1)
+    if refusal is None:
+        cu = _host_offsets(kw)
+        B, T, H, K = q.shape
+        described = [0, 0, 0, 0, 0] if cu is None else [1, len(cu), cu[-1], *_offsets_hash(cu)]
+        bits = torch.finfo(STATE_DTYPES[q.dtype][0]).bits
+        fingerprint = [0, B, H, K, *v.shape[2:], *described, bool(kw.get("output_final_state")), bits, T]
+    shape = torch.tensor(fingerprint, dtype=torch.int64, device=_device(group, q))
     shapes = [torch.empty_like(shape) for _ in range(world)]
     dist.all_gather(shapes, shape, group=group)
+    refused = [r for r, s in enumerate(shapes) if s[0]]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ValueError(f"`cp_group`: rank {', '.join(map(str, refused))} refused its arguments (its error says "
+                         "why); no rank ran")  # fmt: skip
     fixed = slice(None, -1) if cu is not None else slice(None)  # packed slices may differ in length
     if any(not torch.equal(s[fixed], shapes[0][fixed]) for s in shapes):
-        what = "(B, H, K, HV, V, cu_seqlens)" if cu is not None else "(B, H, K, HV, V, T_local)"
+        what = "(B, H, K, HV, V, cu_seqlens, output_final_state, state dtype)"
+        if cu is None:
+            what = what.replace("cu_seqlens", "T_local")
         raise ValueError(f"`cp_group`: the ranks' slices differ in shape {what}: {[s.tolist() for s in shapes]}")
     lengths = [int(s[-1]) for s in shapes]
     if cu is not None and sum(lengths) != cu[-1]:
@@ -90,9 +155,12 @@ def _host_offsets(kw: dict) -> list[int] | None:
     return (host if host is not None else cu).tolist()
 
 
-def _device(group, like: torch.Tensor) -> torch.device:
-    """Where the group's collectives take tensors: the inputs' device for NCCL, the CPU for gloo."""
-    return like.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+def _device(group, like) -> torch.device:
+    """Where the group's collectives take tensors: the inputs' device for NCCL (the current CUDA
+    device when ``like`` is not a tensor: a refused argument), the CPU for gloo."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return like.device if isinstance(like, torch.Tensor) else torch.device("cuda", torch.cuda.current_device())
 
 
 def _agree(group, world: int, device, has_h0: bool, training: bool) -> tuple[int, int]:
@@ -133,9 +201,15 @@ def _gather(x: torch.Tensor, group, world: int, trainers: int) -> list[torch.Ten
         return list(dist_autograd.all_gather(x, group=group))
 
 
-def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict):
-    """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module."""
-    rank, world, lengths = _check(group, q, dict(kw, v=v))
+def chunk_kda_context_parallel(chunk_kda, group, q, k, v, g, beta, kw: dict, refusal: Exception | None = None):
+    """``chunk_kda(q, k, v, g, beta, **kw)`` on this rank's slice of the tokens; see the module.
+    ``refusal``: the caller's own refusal of this rank's arguments, raised on every rank."""
+    if refusal is None:
+        try:
+            check_local(q, k, v, g, beta, kw)
+        except (ValueError, TypeError) as err:
+            refusal = err
+    rank, world, lengths = _check(group, q, v, kw, refusal)
     B, _, _, K = q.shape
     v_first = bool(kw.get("state_v_first", False))
     h0 = kw.pop("initial_state", None)

@@ -192,9 +192,10 @@ def _offsets_tensor(cu_seqlens: object) -> torch.Tensor:
 
 
 def _check_cu_seqlens(
-    cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int, device: torch.device
+    cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int | None, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, ...] | None]:
-    """``(cu_seqlens, its host copy, its values as Python ints)``, or three Nones."""
+    """``(cu_seqlens, its host copy, its values as Python ints)``, or three Nones. ``T=None``:
+    the end is not checked (a context-parallel rank holds a slice of the batch it describes)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
@@ -236,10 +237,27 @@ def _check_cu_seqlens(
         raise ValueError(f"`cu_seqlens` must start at 0, got {offsets[0]}")
     if not all(map(operator.le, offsets, offsets[1:])):
         raise ValueError("`cu_seqlens` must be non-decreasing")
-    if offsets[-1] != T:
+    if T is not None and offsets[-1] != T:
         raise ValueError(f"`cu_seqlens` must end at T={T} (the flattened length), got {offsets[-1]}")
     # int32 offsets (flash-attn's) become int64 here: on the device that is one small copy, no sync
     return cu.long().contiguous(), values.long(), offsets
+
+
+def check_initial_state(
+    initial_state: object, dims: tuple[int, int, int, int], state_v_first: bool, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """``initial_state`` checked against ``dims`` ``(N, HV, K, V)`` in its layout, the state dtypes
+    of ``dtype`` inputs and ``device``; returned contiguous."""
+    h0 = initial_state if isinstance(initial_state, Tensor) else _require_tensor("initial_state", initial_state)
+    N, HV, K, V = dims
+    dims = (N, HV, V, K) if state_v_first else dims
+    if h0.shape != dims:
+        raise _shape_error("initial_state", h0, dims, "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]")
+    if h0.dtype not in STATE_DTYPES[dtype]:
+        raise TypeError(f"`initial_state` must be {_state_names(dtype)} for {dtype} inputs, got {h0.dtype}")
+    if h0.device != device:
+        _require_device("initial_state", h0, device)
+    return h0.contiguous()
 
 
 def _check_gate_params(
@@ -406,15 +424,7 @@ def check_problem(
 
     state_dtypes = STATE_DTYPES[dtype]
     if initial_state is not None:
-        h0 = initial_state if isinstance(initial_state, Tensor) else _require_tensor("initial_state", initial_state)
-        dims = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if h0.shape != dims:
-            raise _shape_error("initial_state", h0, dims, "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]")
-        if h0.dtype not in state_dtypes:
-            raise TypeError(f"`initial_state` must be {_state_names(dtype)} for {dtype} inputs, got {h0.dtype}")
-        if h0.device != device:
-            _require_device("initial_state", h0, device)
-        initial_state = h0.contiguous()
+        initial_state = check_initial_state(initial_state, (N, HV, K, V), state_v_first, dtype, device)
 
     if final_state_dtype is None:
         final_state_dtype = state_dtypes[0]
