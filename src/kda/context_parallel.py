@@ -73,13 +73,10 @@ def check_local(q, k, v, g, beta, kw: dict) -> None:
     extras = {name: x for name, x in kw.items() if name not in CALL_PARAMETERS}
     packed = kw.get("cu_seqlens") is not None
     h0 = kw.get("initial_state")
-    problem = validation.check_problem(
-        "chunk_kda", q, k, v, g, beta, kw.get("scale"), None if packed else h0, kw.get("output_final_state"),
-        kw.get("use_qk_l2norm_in_kernel"), kw.get("use_gate_in_kernel"), kw.get("use_beta_sigmoid_in_kernel"),
-        kw.get("allow_neg_eigval"), kw.get("safe_gate"), kw.get("lower_bound"), extras.get("A_log"),
-        extras.get("dt_bias"), kw.get("return_intermediate_states"), kw.get("state_v_first"), None, None,
-        kw.get("final_state_dtype"), extras,
-    )  # fmt: skip
+    args = dict(kw, q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=None, cu_seqlens_cpu=None)
+    if packed:
+        args["initial_state"] = None
+    problem = validation.check_chunk_kda(args, extras)
     if not packed:
         return
     cu, _, offsets = validation._check_cu_seqlens(kw["cu_seqlens"], kw.get("cu_seqlens_cpu"), problem.B, None, q.device)
