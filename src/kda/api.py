@@ -130,8 +130,12 @@ def chunk_kda(
         if span and longest > span and not capturing(q):
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
-            return segments.chunk_kda_segmented(chunk_kda, q, k, v, g, beta, kw, lengths, span, why, chunk_kda_runs)
-    return dispatch.select(problem, backend).run(problem)
+            p = problem  # (its tensors: a padded buffer's are cut to the covered rows)
+            out = segments.chunk_kda_segmented(
+                chunk_kda, p.q, p.k, p.v, p.g, p.beta, kw, lengths, span, why, chunk_kda_runs
+            )
+            return padded(problem, out)
+    return run(problem, backend)
 
 
 def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
@@ -169,6 +173,19 @@ def chunk_kda_runs(q, k, g, beta, runs: list, kw: dict):
         backend.run(dataclasses.replace(p, v=torch.zeros_like(p.v)) if zero else p)
         for backend, p, zero in zip(chosen, problems, v_zero)
     )
+
+
+def run(problem: validation.Problem, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``problem`` on ``backend`` (dispatch.select); a padded buffer's output zero-filled past
+    the end of ``cu_seqlens`` (its tensors hold the covered rows only: validation)."""
+    return padded(problem, dispatch.select(problem, backend).run(problem))
+
+
+def padded(problem: validation.Problem, out: tuple) -> tuple:
+    """``out`` with its output given ``problem.padding`` zero rows at the end (differentiable)."""
+    if not problem.padding:
+        return out
+    return (torch.nn.functional.pad(out[0], (0, 0, 0, 0, 0, problem.padding)), *out[1:])
 
 
 def capturing(q: torch.Tensor) -> bool:
@@ -255,13 +272,13 @@ def fused_recurrent_kda(
             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, final_state_dtype,
             inplace_final_state, ssm_state_indices, num_accepted_tokens, kwargs, cu_seqlens_cpu,
         )  # fmt: skip
-        return dispatch.select(problem, backend).run(problem)
+        return run(problem, backend)
     problem = validation.check_problem(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, cu_seqlens_cpu, final_state_dtype, kwargs,
     )  # fmt: skip
-    return dispatch.select(problem, backend).run(problem)
+    return run(problem, backend)
 
 
 def pooled_problem(

@@ -24,7 +24,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Per input dtype (q's): the dtypes g and beta may have, and those of the states: float32
 # (fla's only choice) or bfloat16 (kda's extension; carried in float32 inside), float64 with
 # float64 inputs. One lookup a call instead of building the tuples.
-GATE_DTYPES = {dtype: (dtype, torch.float32, torch.float64) for dtype in FLOAT_DTYPES}
+GATE_DTYPES = {dtype: tuple(dict.fromkeys((dtype, torch.float32, torch.float64))) for dtype in FLOAT_DTYPES}
 STATE_DTYPES = {dtype: (torch.float32, torch.bfloat16) for dtype in FLOAT_DTYPES} | {torch.float64: (torch.float64,)}
 # Keyword arguments of fla 0.6.0 that this package accepts and ignores (they tune fla's own
 # kernels, not the function computed).
@@ -32,6 +32,9 @@ IGNORED_KWARGS = ("chunk_size", "use_graph", "max_num_seqs")
 # Every keyword argument chunk_kda takes in ``**kwargs``: the gate parameters, the deprecated
 # state layout flag, fla's unsupported features (refused when set) and the ignored ones.
 KNOWN_KWARGS = frozenset(("A_log", "dt_bias", "transpose_state_layout", "head_first", "cp_context", *IGNORED_KWARGS))
+# fused_recurrent_kda also takes chunk_kda's own flags that tune fla's chunked kernels (fla's
+# swallows them in its **kwargs; one dict of keywords then serves both functions) and ignores them.
+RECURRENT_KWARGS = KNOWN_KWARGS | {"safe_gate", "disable_recompute", "return_intermediate_states"}
 
 
 @dataclass(slots=True)  # slots: a third less host time to build, once per call
@@ -78,6 +81,9 @@ class Problem:
     pool: torch.Tensor | None = None
     state_indices: torch.Tensor | None = None
     accepted: torch.Tensor | None = None
+    # Rows of the caller's T past the end of `cu_seqlens` (a padded buffer): the tensors above
+    # hold the first T rows only, and the output gets `padding` zero rows (api.run).
+    padding: int = 0
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
@@ -237,8 +243,10 @@ def _check_cu_seqlens(
         raise ValueError(f"`cu_seqlens` must start at 0, got {offsets[0]}")
     if not all(map(operator.le, offsets, offsets[1:])):
         raise ValueError("`cu_seqlens` must be non-decreasing")
-    if T is not None and offsets[-1] != T:
-        raise ValueError(f"`cu_seqlens` must end at T={T} (the flattened length), got {offsets[-1]}")
+    # An end before T is a padded buffer (fla's use_graph: zero-length tail sequences, T fixed):
+    # check_problem runs the call on the first offsets[-1] tokens and zero-fills the rest.
+    if T is not None and offsets[-1] > T:
+        raise ValueError(f"`cu_seqlens` must end at most at T={T} (the flattened length), got {offsets[-1]}")
     # int32 offsets (flash-attn's) become int64 here: on the device that is one small copy, no sync
     return cu.long().contiguous(), values.long(), offsets
 
@@ -318,7 +326,7 @@ def fold_state_layout(state_v_first: object, kwargs: dict, stacklevel: int) -> o
     return state_v_first
 
 
-def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
+def _check_kwargs(op: str, state_v_first: object, kwargs: dict) -> object:
     """Check fla's extra keyword arguments (read, never popped: the caller's dict may be reused)
     and return ``state_v_first``, or the deprecated ``transpose_state_layout`` in its place."""
     # stacklevel 5: the caller of chunk_kda / fused_recurrent_kda (through check_problem)
@@ -327,8 +335,9 @@ def _check_kwargs(state_v_first: object, kwargs: dict) -> object:
         raise ValueError("`head_first=True` is not supported by KDA: pass [B, T, H, K] tensors")
     if kwargs.get("cp_context") is not None:  # chunk_kda takes it before checking (kda.context_parallel)
         raise ValueError("`cp_context` (context parallelism) is taken by chunk_kda only")
-    if not kwargs.keys() <= KNOWN_KWARGS:  # a subset test builds no set
-        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs.keys() - KNOWN_KWARGS))}")
+    known = KNOWN_KWARGS if op == "chunk_kda" else RECURRENT_KWARGS
+    if not kwargs.keys() <= known:  # a subset test builds no set
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs.keys() - known))}")
     # Ignored (kda's chunks are 16 tokens), but what fla refuses is refused (a review, 2026-12-04).
     if kwargs.get("chunk_size", 64) not in (32, 64):
         raise ValueError(
@@ -371,7 +380,7 @@ def check_problem(
             "chunk-64 intermediate states have no counterpart here"
         )
     if kwargs:
-        state_v_first = _check_kwargs(state_v_first, kwargs)
+        state_v_first = _check_kwargs(op, state_v_first, kwargs)
     state_v_first = bool(state_v_first)
 
     if not (
@@ -421,6 +430,19 @@ def check_problem(
 
     cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    # fla's graph mode: offsets padded with empty sequences to max_num_seqs (fla asserts it)
+    graph = kwargs and op == "chunk_kda" and cu_seqlens is not None and kwargs.get("use_graph")
+    if graph and kwargs.get("max_num_seqs") not in (None, N):
+        raise ValueError(
+            f"with `use_graph=True`, `cu_seqlens` must hold `max_num_seqs` + 1 offsets (max_num_seqs="
+            f"{kwargs['max_num_seqs']!r}; pad with empty sequences), got {N + 1}"
+        )
+    padding = 0
+    if cu_seqlens_values is not None and cu_seqlens_values[-1] != T:
+        # A padded buffer: the call runs on the tokens the offsets cover (views, B == 1) and
+        # the api zero-fills the output's last `padding` rows (whose gradients are then zero).
+        padding, T = T - cu_seqlens_values[-1], cu_seqlens_values[-1]
+        q, k, v, g, beta = q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T]
 
     state_dtypes = STATE_DTYPES[dtype]
     if initial_state is not None:
@@ -451,7 +473,8 @@ def check_problem(
         given, lower_bound = lower_bound, _real_or_none(lower_bound)
         if lower_bound is None:
             raise TypeError(f"`lower_bound` must be a float or None, got {given!r}")
-        if not (math.isfinite(lower_bound) and lower_bound < 0):
+        # (checked where it is used: fla ignores it without the gate in the kernel, and so does kda)
+        if use_gate and not (math.isfinite(lower_bound) and lower_bound < 0):
             raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
     if safe_gate and use_gate:
         if lower_bound is None:
@@ -478,13 +501,16 @@ def check_problem(
 
     # Positional, in field order: keyword construction of these 31 fields costs six times as
     # much (2.5 us against 0.4).
-    return Problem(
+    problem = Problem(
         op, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         float(scale), initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         use_gate, use_beta_sigmoid, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, state_v_first,
         cu_seqlens, cu_seqlens_cpu, cu_seqlens_values, requires_grad, final_state_dtype,
         B, T, H, K, HV, V, N, gate_form,
     )  # fmt: skip
+    if padding:
+        problem.padding = padding
+    return problem
 
 
 def _state_names(dtype: torch.dtype) -> str:
