@@ -445,6 +445,26 @@ def test_compile_fullgraph_trains_a_two_layer_model():
         assert abs(a - b) <= 1e-5 * abs(b), (compiled, eager)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compile_fullgraph_takes_scale_and_lower_bound_as_arguments(dynamic):
+    """A float argument of a compiled function becomes symbolic once its value changes (at once
+    with dynamic=True); the checks of ``scale`` and ``lower_bound`` called math.isfinite on it,
+    which dynamo cannot trace (a graph break, an error under fullgraph, until a review of
+    2026-12-07). Each call equals eager's."""
+    torch._dynamo.reset()
+    case = make_case(T=20, H=1, K=16, V=16, gate="lower_bound", device=DEVICE, seed=81)
+    kw = dict(case.kwargs(), safe_gate=False)
+    kw.pop("lower_bound")
+
+    def f(q, k, v, g, beta, scale, lower_bound):
+        return kda.chunk_kda(q, k, v, g, beta, scale=scale, lower_bound=lower_bound, backend=AUTO, **kw)[0]
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for scale, lower_bound in ((0.25, -5.0), (0.5, -3.0), (0.5, -2.0)):
+        got = compiled(*case.tensors(), scale, lower_bound)
+        torch.testing.assert_close(got, f(*case.tensors(), scale, lower_bound), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
 def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypatch, backend):
     """The backward's memory order (2026-12-06): the per-chunk state gradients (2 KB a token and

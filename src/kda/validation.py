@@ -460,7 +460,9 @@ def check_problem(
         scale = K**-0.5
     else:
         given, scale = scale, _real_or_none(scale)
-        if scale is None or not math.isfinite(scale):
+        # (comparisons, not math.isfinite: under torch.compile a float argument can be symbolic,
+        # which math.isfinite cannot read; NaN fails both; a review of 2026-12-07)
+        if scale is None or not -math.inf < scale < math.inf:
             raise TypeError(f"`scale` must be a finite float or None, got {given!r}")
 
     use_gate = bool(use_gate_in_kernel)
@@ -474,7 +476,7 @@ def check_problem(
         if lower_bound is None:
             raise TypeError(f"`lower_bound` must be a float or None, got {given!r}")
         # (checked where it is used: fla ignores it without the gate in the kernel, and so does kda)
-        if use_gate and not (math.isfinite(lower_bound) and lower_bound < 0):
+        if use_gate and not -math.inf < lower_bound < 0:
             raise ValueError(f"`lower_bound` must be a finite negative number, got {lower_bound}")
     if safe_gate and use_gate:
         if lower_bound is None:
