@@ -19,10 +19,12 @@ from helpers import (
     assert_close_fp64,
     assert_graph_replays_eager,
     assert_strictly_causal,
+    cuda_ready,
     fla_itself,
     fp64_reference,
     guarded,
     make_case,
+    recurrent_kwargs,
     rel,
 )
 from kda import dispatch
@@ -332,24 +334,35 @@ def test_gpu_chunk_chains_of_more_than_65535_sequence_heads():
         assert rel(g[:, rows], g1) <= 1e-5
 
 
-INTERPRETER_UNDER_FUNC_GRAD = """
+INTERPRETER_UNDER_TRACER = """
+import sys
 import torch, kda
 q, k, v = (torch.randn(1, 20, 1, 16) for _ in range(3))
 g, b = -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1)
-try:  # the process's first Triton call, under a transform (torch refuses the custom op there)
-    torch.func.grad(lambda q: kda.chunk_kda(q, k, v, g, b, backend="triton")[0].sum())(q)
+f = lambda q, k, v, g, b: kda.chunk_kda(q, k, v, g, b, backend="triton")[0]
+try:  # the process's first Triton call, under a transform or a tracer
+    if sys.argv[1] == "func_grad":  # (torch refuses the custom op there)
+        torch.func.grad(lambda q: f(q, k, v, g, b).sum())(q)
+    elif sys.argv[1] == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode() as mode:
+            f(*(mode.from_tensor(x) for x in (q, k, v, g, b)))
+    else:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        make_fx(f, tracing_mode="fake")(q, k, v, g, b)
 except Exception as e:
-    print("under grad:", type(e).__name__)
+    print("under the tracer:", type(e).__name__)
 kda.chunk_kda(q, k, v, g, b, backend="triton")
 print("triton ran")
 """
 
 
-def test_interpreter_probe_first_run_under_func_grad_does_not_turn_triton_off():
+@pytest.mark.parametrize("tracer", ["func_grad", "fake", "make_fx"])
+def test_interpreter_probe_first_run_under_a_tracer_does_not_turn_triton_off(tracer):
     """The interpreter's probe (triton.common.interpreter_fault, cached for the process) run first
-    under torch.func.grad saw wrapped tensors and cached a false NumPy fault, turning the Triton
-    backend off for the rest of the process (a review of 2026-12-07). A fresh process, since the
-    answer is cached."""
+    under torch.func.grad saw wrapped tensors, and under FakeTensorMode or make_fx fake tensors,
+    and cached a false NumPy fault, turning the Triton backend off for the rest of the process
+    (two reviews of 2026-12-07). A fresh process, since the answer is cached."""
     import subprocess
     import sys
 
@@ -357,6 +370,40 @@ def test_interpreter_probe_first_run_under_func_grad_does_not_turn_triton_off():
 
     if not interpreting():
         pytest.skip("the probe runs under the CPU interpreter only (TRITON_INTERPRET=1)")
-    run = subprocess.run([sys.executable, "-c", INTERPRETER_UNDER_FUNC_GRAD], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", INTERPRETER_UNDER_TRACER, tracer], capture_output=True, text=True,
                          timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})  # fmt: skip
     assert "triton ran" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+@pytest.mark.parametrize("backend", [AUTO, pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
+def test_tracers_see_the_custom_op_without_grad(op, backend):
+    """Without grad the Triton backend launched its kernels directly: on fake tensors
+    (FakeTensorMode, make_fx's fake tracing) they read storage that is not there, and make_fx's
+    real tracing ran them unseen, leaving them out of the graph (a review of 2026-12-07). Under
+    any dispatch mode the call now goes through kda::chunk_fwd (decode shapes included), whose
+    fake gives the shapes; the traced graph holds it and replays the eager call's numbers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    T = 3 if op == "fused_recurrent_kda" else 20  # (decode shapes: the decode kernel's route)
+    if backend == "cuda":  # (the CUDA kernels' scope: bf16, K = V = 128)
+        case = make_case(B=2, T=T, H=1, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=91)
+    else:
+        case = make_case(B=2, T=T, H=1, K=16, V=16, device=DEVICE, seed=91)
+    kw = case.kwargs() if op == "chunk_kda" else recurrent_kwargs(case)
+    names = ("initial_state", "A_log", "dt_bias")
+
+    def f(q, k, v, g, beta, *state_and_gate):
+        return getattr(kda, op)(q, k, v, g, beta, backend=backend, **dict(kw, **dict(zip(names, state_and_gate))))
+
+    tensors = (*case.tensors(), *(kw[name] for name in names))
+    want = f(*tensors)
+    with FakeTensorMode() as mode:
+        fake = f(*(mode.from_tensor(x) for x in tensors))
+    assert [x.shape for x in fake] == [x.shape for x in want]
+    for tracing_mode in ("fake", "real"):
+        graph = make_fx(f, tracing_mode=tracing_mode)(*tensors)
+        assert "kda.chunk_fwd" in str(graph.graph), graph.graph
+        for got, ref in zip(graph(*tensors), want):
+            torch.testing.assert_close(got, ref, **({} if backend == "cuda" else dict(rtol=1e-5, atol=1e-6)))

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from kda.validation import Problem
 
@@ -82,8 +83,9 @@ RECURRENT_DECODE_TOKENS = 64
 def prefers_decode(p: Problem) -> bool:
     """Whether a call without grad should run on the decode kernel: its sequences are short
     enough that one launch walking the tokens beats the prepare and recurrence stages (or,
-    for fused_recurrent_kda, keeps the token loop's accuracy)."""
-    if p.requires_grad or torch.compiler.is_compiling():
+    for fused_recurrent_kda, keeps the token loop's accuracy). Never for calls that go through
+    the custom op (:func:`through_op`)."""
+    if through_op(p):
         return False
     limit = RECURRENT_DECODE_TOKENS if p.op == "fused_recurrent_kda" else CHUNK_DECODE_TOKENS
     if p.N * limit < p.T:  # the mean passes the limit, so does the longest: no need to find it
@@ -211,6 +213,20 @@ def transformed(problem: Problem) -> str | None:
         if dual and forward_ad.unpack_dual(x).tangent is not None:
             return f"`{name}` is a forward-mode AD dual tensor: the kernels have no forward formula (backend='torch')"
     return None
+
+
+def through_op(problem: Problem) -> bool:
+    """Whether a kernel backend runs ``problem`` through its custom op (kda.autograd) rather than
+    launching directly: with grad (the op has the backward), under torch.compile (an opaque
+    node), and on fake tensors or under a dispatch mode (FakeTensorMode, make_fx, a flop counter):
+    the op's fake gives the shapes and the tracer sees the op, where a launch read storage that
+    fake tensors do not have, or ran unseen by the tracer (a review of 2026-12-07)."""
+    return (
+        problem.requires_grad
+        or torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode()
+        or type(problem.q) is not torch.Tensor
+    )
 
 
 def select(problem: Problem, requested: str) -> Backend:

@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import prefers_decode
+from kda.dispatch import prefers_decode, through_op
 from kda.validation import Problem
 
 ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
@@ -174,7 +174,7 @@ class CudaBackend:
         # Under compile a custom op (dynamo cannot trace the cuda-python launch); with grad the
         # same op, whose forward here saves the checkpoints and whose backward is Triton's (with
         # K1 and the CUDA reverse chain for the safe gate: kda.triton.training.cuda_chain_refusal).
-        if p.requires_grad or torch.compiler.is_compiling():
+        if p.pool is None and through_op(p):  # (dispatch.through_op says why; a pool runs in place)
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p, use_cuda=True)

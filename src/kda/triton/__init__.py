@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import note, on_device_of, prefers_decode
+from kda.dispatch import note, on_device_of, prefers_decode, through_op
 from kda.tables import chunk_tables
 from kda.triton.common import interpreter_fault, interpreting
 from kda.triton.prepare import prepare_chunks
@@ -106,9 +106,9 @@ class TritonBackend:
                 o, ht = decode(p)
             note("triton:pooled_decode" if p.pool is not None else "triton:decode")
             return o, ht
-        if p.requires_grad or torch.compiler.is_compiling():
-            # Through the custom op: autograd gets its backward, torch.compile an opaque node. The
-            # op makes the device current itself; dynamo would trace a guard here.
+        if through_op(p):
+            # Through the custom op (dispatch.through_op says why). The op makes the device
+            # current itself; dynamo would trace a guard here.
             from kda.autograd import chunk_kda_trainable
 
             return chunk_kda_trainable(p)

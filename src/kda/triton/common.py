@@ -49,9 +49,13 @@ def interpreter_fault() -> str | None:
     run it. Probed once with a loop of that form rather than by version numbers."""
     # Outside any torch.func transform: the answer is cached for the process, and a first call
     # under torch.func.grad saw wrapped tensors the interpreter cannot read and cached a false
-    # NumPy fault (a review of 2026-12-07).
+    # NumPy fault (a review of 2026-12-07); and outside any dispatch mode (FakeTensorMode,
+    # make_fx, non-strict export), whose fake tensors cached the same false fault (a review of
+    # 2026-12-07).
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:
-        with torch._C._DisableFuncTorch():
+        with torch._C._DisableFuncTorch(), _disable_current_modes():
             offsets, out = torch.tensor([2, 5]), torch.zeros(1, dtype=torch.int64)
             _loop_bound_probe[(1,)](offsets, out)
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the answer
