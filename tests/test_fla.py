@@ -76,6 +76,24 @@ def test_fla_chunk_kda_reaches_kda_on_cpu(fla_kda, caplog):
     assert any(line.startswith("[FLA Backend]") and line.endswith("chunk_kda -> kda") for line in fla_log_lines(caplog))
 
 
+def test_fla_graph_mode_padded_buffer_reaches_kda(fla_kda):
+    """fla's use_graph layout (offsets padded with empty sequences to max_num_seqs, a token buffer
+    longer than they cover): kda's verifier refused it ("must end at T") and fla's kernel ran,
+    until a review of 2026-12-07; now kda runs it, the rows past the end zero."""
+    import dataclasses
+
+    case = make_case(seq_lens=[5, 9, 0, 0], H=1, HV=2, K=16, V=16, seed=46)
+    pad = {name: torch.cat([x, torch.randn(1, 4, *x.shape[2:])], dim=1) for name, x in
+           zip(("q", "k", "v", "g", "beta"), case.tensors())}  # fmt: skip
+    padded = dataclasses.replace(case, **pad)
+    with kda.record_dispatch() as events:
+        o, ht = fla_kda.chunk_kda(*padded.tensors(), **padded.kwargs(), use_graph=True, max_num_seqs=4)
+    assert events and events[0] == "chunk_kda -> torch", events
+    want = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert torch.equal(o[:, :14], want[0]) and torch.equal(ht, want[1])
+    assert (o[:, 14:] == 0).all()
+
+
 def test_fla_training_call_reaches_kda(fla_kda):
     case = make_case(T=20, H=1, K=16, V=16, seed=42)
     q = case.q.clone().requires_grad_()
