@@ -47,11 +47,10 @@ def interpreter_fault() -> str | None:
     3.6.0's interpreter with NumPy 2.4 fails on every loop whose bounds are loaded from memory
     (it calls int() on a one-element array, which NumPy 2.4 refuses); NumPy 2.3 or Triton 3.9
     run it. Probed once with a loop of that form rather than by version numbers."""
-    # Outside any torch.func transform: the answer is cached for the process, and a first call
-    # under torch.func.grad saw wrapped tensors the interpreter cannot read and cached a false
-    # NumPy fault (a review of 2026-12-07); and outside any dispatch mode (FakeTensorMode,
-    # make_fx, non-strict export), whose fake tensors cached the same false fault (a review of
-    # 2026-12-07).
+    # Outside any torch.func transform and any dispatch mode: the answer is cached for the
+    # process, and a first call under torch.func.grad (wrapped tensors) or under FakeTensorMode
+    # or make_fx (fake tensors) gave the interpreter tensors it cannot read, and cached a false
+    # NumPy fault (two reviews of 2026-12-07).
     from torch.utils._python_dispatch import _disable_current_modes
 
     try:
