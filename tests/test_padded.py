@@ -140,3 +140,36 @@ def test_gpu_unchecked_padded_buffer_computes_the_covered_rows(op, monkeypatch):
     covered = case.q.shape[1]
     torch.testing.assert_close(o_pad[:, :covered], o, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht_pad, ht, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a CUDA-graph capture")
+@pytest.mark.parametrize("op", ["chunk_kda", "fused_recurrent_kda"])
+def test_gpu_graph_of_a_padded_buffer_replays_with_more_rows_covered(op):
+    """A capture given host offsets that end before T must not bake that end into the graph: a
+    replay whose offsets cover more rows (the serving pattern: a buffer of fixed T, new lengths
+    every step) computes them all. Under a capture the call runs on all T rows and the kernels
+    read the end from `cu_seqlens`."""
+    case, padded = case_for("auto", seed=78)
+    T = padded.q.shape[1]
+    cu = padded.cu_seqlens.clone()
+    wider = torch.tensor([0, 5, 9, T - 2, T - 2], device=cu.device)  # same N, covers T - 2 rows
+    kw = (padded.kwargs if op == "chunk_kda" else lambda **o: recurrent_kwargs(padded, **o))(
+        cu_seqlens=cu, cu_seqlens_cpu=cu.cpu()
+    )
+    fn = getattr(kda, op)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*padded.tensors(), **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = fn(*padded.tensors(), **kw)
+    cu.copy_(wider)
+    graph.replay()
+    torch.cuda.synchronize()
+    covered = [x[:, : T - 2] for x in padded.tensors()]
+    want_o, want_ht = fn(*covered, **dict(kw, cu_seqlens=wider, cu_seqlens_cpu=wider.cpu()))
+    torch.testing.assert_close(o[:, : T - 2], want_o, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ht, want_ht, rtol=1e-5, atol=1e-6)

@@ -187,6 +187,10 @@ OFFSET_DTYPES = (torch.int64, torch.int32)
 CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "")
 
 
+def _capturing(x: Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _offsets_tensor(cu_seqlens: object) -> torch.Tensor:
     """``cu_seqlens`` as a tensor of offsets: int64 or int32, 1-D, at least 2 entries."""
     cu = cu_seqlens if isinstance(cu_seqlens, Tensor) else _require_tensor("cu_seqlens", cu_seqlens)
@@ -232,7 +236,7 @@ def _check_cu_seqlens(
         values = host
     elif cu.is_cpu:
         values = cu
-    elif CHECK_CU_SEQLENS == "0" or torch.cuda.is_current_stream_capturing():
+    elif CHECK_CU_SEQLENS == "0" or _capturing(cu):
         return cu.long().contiguous(), None, None  # unchecked: see CHECK_CU_SEQLENS
     else:
         values = cu.cpu()  # one host sync; pass cu_seqlens_cpu to avoid it
@@ -438,9 +442,11 @@ def check_problem(
             f"{kwargs['max_num_seqs']!r}; pad with empty sequences), got {N + 1}"
         )
     padding = 0
-    if cu_seqlens_values is not None and cu_seqlens_values[-1] != T:
+    if cu_seqlens_values is not None and cu_seqlens_values[-1] != T and not _capturing(q):
         # A padded buffer: the call runs on the tokens the offsets cover (views, B == 1) and
         # the api zero-fills the output's last `padding` rows (whose gradients are then zero).
+        # Not under a CUDA-graph capture, whose replays may cover more rows than the host copy
+        # said: the kernels run all T rows there and read the end from `cu_seqlens`.
         padding, T = T - cu_seqlens_values[-1], cu_seqlens_values[-1]
         q, k, v, g, beta = q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T]
 
