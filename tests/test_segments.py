@@ -535,3 +535,25 @@ def test_split_reads_the_deprecated_layout_name(monkeypatch):
     assert "segments:16" in events, events
     assert any("transpose_state_layout" in str(w.message) for w in caught)
     assert rel(got[0], want[0]) <= 1e-10 and rel(got[1], want[1]) <= 1e-10, (rel(got[0], want[0]), rel(got[1], want[1]))
+
+
+def test_split_of_a_padded_graph_mode_buffer(monkeypatch):
+    """fla's use_graph layout through the split: the offsets padded with empty sequences to
+    max_num_seqs and a buffer longer than they cover. The split's own calls (the segments' offsets)
+    were checked against max_num_seqs and refused until a review of 2026-12-07."""
+    import dataclasses
+
+    import torch
+
+    case = make_case(seq_lens=[70, 0, 9, 0, 0], H=1, HV=2, K=16, V=8, gate="precomputed", seed=88)
+    case.g = case.g * 0.02
+    pad = {name: torch.cat([x, torch.randn(1, 5, *x.shape[2:])], dim=1) for name, x in
+           zip(("q", "k", "v", "g", "beta"), case.tensors())}  # fmt: skip
+    padded = dataclasses.replace(case, **pad)
+    want = kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
+    monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
+    with kda.record_dispatch() as events:
+        o, ht = kda.chunk_kda(*padded.tensors(), backend="torch", **padded.kwargs(), use_graph=True, max_num_seqs=5)
+    assert "segments:32" in events, events
+    assert rel(o[:, :79], want[0]) <= 1e-5 and rel(ht, want[1]) <= 1e-5
+    assert (o[:, 79:] == 0).all()

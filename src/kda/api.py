@@ -130,6 +130,8 @@ def chunk_kda(
         if span and longest > span and not capturing(q):
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
+            for name in validation.IGNORED_KWARGS:  # (use_graph's check is of the caller's offsets)
+                kw.pop(name, None)
             p = problem  # (its tensors: a padded buffer's are cut to the covered rows)
             out = segments.chunk_kda_segmented(
                 chunk_kda, p.q, p.k, p.v, p.g, p.beta, kw, lengths, span, why, chunk_kda_runs

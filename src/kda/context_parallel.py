@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from kda import validation
 from kda.transitions import affine_transitions, kv_layout
-from kda.validation import STATE_DTYPES
+from kda.validation import IGNORED_KWARGS, STATE_DTYPES
 
 
 def check_local(q, k, v, g, beta, kw: dict) -> None:
@@ -82,6 +82,7 @@ def check_local(q, k, v, g, beta, kw: dict) -> None:
     cu, _, offsets = validation._check_cu_seqlens(kw["cu_seqlens"], kw.get("cu_seqlens_cpu"), problem.B, None, q.device)
     if offsets is None:  # left unchecked on the device (KDA_CHECK_CU_SEQLENS=0): the ranks read them all the same
         offsets = validation._check_cu_seqlens(cu.cpu(), None, 1, None, torch.device("cpu"))[2]
+    validation.check_graph_offsets(extras, len(offsets) - 1)
     if h0 is not None:
         dims = (len(offsets) - 1, problem.HV, problem.K, problem.V)
         validation.check_initial_state(h0, dims, problem.state_v_first, problem.q.dtype, q.device)
@@ -278,7 +279,8 @@ def _packed(chunk_kda, group, rank, world, lengths, q, k, v, g, beta, h0, want_f
     as_kv, from_kv = kv_layout(bool(kw.get("state_v_first", False)))
     device = _device(group, q)
     full = STATE_DTYPES[q.dtype][0]  # (P, R) as affine_transitions gives them; float64 inputs: float64
-    local_kw = {n: x for n, x in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
+    # (fla's ignored keywords dropped too: use_graph's check is of the caller's offsets, not a piece's)
+    local_kw = {n: x for n, x in kw.items() if n not in ("cu_seqlens", "cu_seqlens_cpu", *IGNORED_KWARGS)}
 
     def continues(r):  # rank r's last piece goes on past its slice
         pieces = every_pieces[r]

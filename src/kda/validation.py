@@ -187,6 +187,17 @@ OFFSET_DTYPES = (torch.int64, torch.int32)
 CHECK_CU_SEQLENS = os.environ.get("KDA_CHECK_CU_SEQLENS", "")
 
 
+def check_graph_offsets(kwargs: dict, N: int) -> None:
+    """fla's graph mode (chunk_kda's ``use_graph``): the offsets of N sequences must be padded with
+    empty ones to ``max_num_seqs`` (fla asserts it). Of the caller's own offsets only: the calls
+    that kda makes itself drop fla's ignored keywords."""
+    if kwargs.get("use_graph") and kwargs.get("max_num_seqs") not in (None, N):
+        raise ValueError(
+            f"with `use_graph=True`, `cu_seqlens` must hold `max_num_seqs` + 1 offsets (max_num_seqs="
+            f"{kwargs['max_num_seqs']!r}; pad with empty sequences), got {N + 1}"
+        )
+
+
 def _capturing(x: Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -434,13 +445,8 @@ def check_problem(
 
     cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    # fla's graph mode: offsets padded with empty sequences to max_num_seqs (fla asserts it)
-    graph = kwargs and op == "chunk_kda" and cu_seqlens is not None and kwargs.get("use_graph")
-    if graph and kwargs.get("max_num_seqs") not in (None, N):
-        raise ValueError(
-            f"with `use_graph=True`, `cu_seqlens` must hold `max_num_seqs` + 1 offsets (max_num_seqs="
-            f"{kwargs['max_num_seqs']!r}; pad with empty sequences), got {N + 1}"
-        )
+    if kwargs and op == "chunk_kda" and cu_seqlens is not None:
+        check_graph_offsets(kwargs, N)
     padding = 0
     if cu_seqlens_values is not None and cu_seqlens_values[-1] != T and not _capturing(q):
         # A padded buffer: the call runs on the tokens the offsets cover (views, B == 1) and
