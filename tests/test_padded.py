@@ -21,10 +21,10 @@ PAD = 9
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
-def padded_case(dtype: torch.dtype, device: str, K: int, seed: int):
+def padded_case(dtype: torch.dtype, device: str, K: int, seed: int, H: int = 1):
     """``(case on the covered rows, the same with PAD random rows appended)``: the padding holds
     random numbers, never zeros, so a kernel that read it would show."""
-    case = make_case(seq_lens=SEQ_LENS, H=1, HV=2, K=K, V=K, gate="lower_bound", dtype=dtype, seed=seed)
+    case = make_case(seq_lens=SEQ_LENS, H=H, HV=2, K=K, V=K, gate="lower_bound", dtype=dtype, seed=seed)
     case = case.to(dtype, device)
     case.A_log, case.dt_bias = case.A_log.float(), case.dt_bias.float()  # (as the API takes them)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -46,8 +46,8 @@ def backends_here() -> list:
 
 
 def case_for(backend: str, seed: int):
-    if backend == "cuda":  # the CUDA kernels' scope: bf16, K = V = 128
-        return padded_case(torch.bfloat16, "cuda", 128, seed)
+    if backend == "cuda":  # the CUDA kernels' scope: bf16, K = V = 128, H = HV past decode shapes
+        return padded_case(torch.bfloat16, "cuda", 128, seed, H=2)
     return padded_case(torch.float32, DEVICE if backend == "auto" else "cpu", 16, seed)
 
 

@@ -343,6 +343,9 @@ f = lambda q, k, v, g, b: kda.chunk_kda(q, k, v, g, b, backend="triton")[0]
 try:  # the process's first Triton call, under a transform or a tracer
     if sys.argv[1] == "func_grad":  # (torch refuses the custom op there)
         torch.func.grad(lambda q: f(q, k, v, g, b).sum())(q)
+    elif sys.argv[1] == "meta":  # (a function mode: auto asks the Triton backend whether it runs)
+        with torch.device("meta"):
+            kda.chunk_kda(q, k, v, g, b)
     elif sys.argv[1] == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
         with FakeTensorMode() as mode:
@@ -357,12 +360,13 @@ print("triton ran")
 """
 
 
-@pytest.mark.parametrize("tracer", ["func_grad", "fake", "make_fx"])
+@pytest.mark.parametrize("tracer", ["func_grad", "meta", "fake", "make_fx"])
 def test_interpreter_probe_first_run_under_a_tracer_does_not_turn_triton_off(tracer):
     """The interpreter's probe (triton.common.interpreter_fault, cached for the process) run first
-    under torch.func.grad saw wrapped tensors, and under FakeTensorMode or make_fx fake tensors,
-    and cached a false NumPy fault, turning the Triton backend off for the rest of the process
-    (two reviews of 2026-12-07). A fresh process, since the answer is cached."""
+    under torch.func.grad saw wrapped tensors, under FakeTensorMode or make_fx fake tensors, and in
+    a torch.device("meta") block meta tensors, and cached a false NumPy fault, turning the Triton
+    backend off for the rest of the process (three reviews of 2026-12-07). A fresh process, since
+    the answer is cached."""
     import subprocess
     import sys
 
@@ -406,4 +410,7 @@ def test_tracers_see_the_custom_op_without_grad(op, backend):
         graph = make_fx(f, tracing_mode=tracing_mode)(*tensors)
         assert "kda.chunk_fwd" in str(graph.graph), graph.graph
         for got, ref in zip(graph(*tensors), want):
-            torch.testing.assert_close(got, ref, **({} if backend == "cuda" else dict(rtol=1e-5, atol=1e-6)))
+            if backend == "cuda":  # (the graph's op runs the chunk kernels, eager a decode's may run the decode kernel)
+                assert rel(got.float(), ref.float()) <= 1e-2, rel(got.float(), ref.float())
+            else:
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -164,9 +164,10 @@ class CudaBackend:
             return f"tensors on {q.device} (needs CUDA tensors)"
         if _capability(q.get_device()) != (9, 0):
             return f"tensors on {torch.cuda.get_device_name(q.device)}, not an sm_90 GPU"
-        if torch.compiler.is_compiling():
-            # dynamo cannot trace data_ptr(): the custom op that runs the call under compile
-            # tests the addresses on the real tensors (kda.autograd.chunk_fwd) instead.
+        if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+            # dynamo cannot trace data_ptr(), and fake tensors have none: the custom op that runs
+            # such calls (dispatch.through_op) tests the addresses on the real tensors
+            # (kda.autograd.chunk_fwd) instead.
             return None
         return misaligned(p)
 

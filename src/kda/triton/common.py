@@ -55,7 +55,8 @@ def interpreter_fault() -> str | None:
 
     try:
         with torch._C._DisableFuncTorch(), _disable_current_modes():
-            offsets, out = torch.tensor([2, 5]), torch.zeros(1, dtype=torch.int64)
+            # (on the CPU by name: a torch.device("meta") block is a function mode, not a dispatch one)
+            offsets, out = torch.tensor([2, 5], device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
             _loop_bound_probe[(1,)](offsets, out)
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the answer
         import numpy
