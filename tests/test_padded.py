@@ -24,9 +24,7 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 def padded_case(dtype: torch.dtype, device: str, K: int, seed: int, H: int = 1):
     """``(case on the covered rows, the same with PAD random rows appended)``: the padding holds
     random numbers, never zeros, so a kernel that read it would show."""
-    case = make_case(seq_lens=SEQ_LENS, H=H, HV=2, K=K, V=K, gate="lower_bound", dtype=dtype, seed=seed)
-    case = case.to(dtype, device)
-    case.A_log, case.dt_bias = case.A_log.float(), case.dt_bias.float()  # (as the API takes them)
+    case = make_case(seq_lens=SEQ_LENS, H=H, HV=2, K=K, V=K, gate="lower_bound", dtype=dtype, device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     tails = {}
     for name in ("q", "k", "v", "g", "beta"):
