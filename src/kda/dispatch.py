@@ -215,18 +215,25 @@ def transformed(problem: Problem) -> str | None:
     return None
 
 
+# Why the kernel backends pass over a state pool under a dispatch mode or on tensor subclasses: the
+# decode kernel writes the pool in place, unseen by the mode and with no fake to stand for it (the
+# torch backend's ops are seen; found by a review, 2026-12-07).
+POOL_TRACED = "a state pool under a dispatch mode (FakeTensorMode, make_fx, ...) or on tensor subclasses"
+
+
 def through_op(problem: Problem) -> bool:
     """Whether a kernel backend runs ``problem`` through its custom op (kda.autograd) rather than
     launching directly: with grad (the op has the backward), under torch.compile (an opaque
     node), and on fake tensors or under a dispatch mode (FakeTensorMode, make_fx, a flop counter):
     the op's fake gives the shapes and the tracer sees the op, where a launch read storage that
     fake tensors do not have, or ran unseen by the tracer (a review of 2026-12-07)."""
-    return (
-        problem.requires_grad
-        or torch.compiler.is_compiling()
-        or is_in_torch_dispatch_mode()
-        or type(problem.q) is not torch.Tensor
-    )
+    return problem.requires_grad or torch.compiler.is_compiling() or traced(problem)
+
+
+def traced(problem: Problem) -> bool:
+    """Whether a dispatch mode is active (FakeTensorMode, make_fx, a flop counter) or the inputs are
+    tensor subclasses (fake tensors): a kernel launched directly would go unseen, or find no data."""
+    return is_in_torch_dispatch_mode() or type(problem.q) is not torch.Tensor
 
 
 def select(problem: Problem, requested: str) -> Backend:

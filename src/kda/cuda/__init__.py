@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import prefers_decode, through_op
+from kda.dispatch import POOL_TRACED, prefers_decode, through_op, traced
 from kda.validation import Problem
 
 ALIGNMENT = 16  # bytes: 16-byte cp.async of q, k, g and bulk copies of v rows
@@ -144,6 +144,8 @@ class CudaBackend:
         if p.pool is not None:
             if torch.compiler.is_compiling():
                 return "state pools under torch.compile (the Triton decode kernel traces)"
+            if traced(p):
+                return POOL_TRACED
             reason = _decode().decode_rejects(p)
             if reason is not None:
                 return f"this state pool: {reason}"

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from kda.dispatch import note, on_device_of, prefers_decode, through_op
+from kda.dispatch import POOL_TRACED, note, on_device_of, prefers_decode, through_op, traced
 from kda.tables import chunk_tables
 from kda.triton.common import interpreter_fault, interpreting
 from kda.triton.prepare import prepare_chunks
@@ -86,6 +86,8 @@ class TritonBackend:
         return None
 
     def rejects(self, p: Problem) -> str | None:
+        if p.pool is not None and traced(p):
+            return POOL_TRACED
         if p.q.dtype not in SUPPORTED_DTYPES:
             return f"dtype {p.q.dtype} (needs float16, bfloat16 or float32)"
         if p.q.device.type != "cuda" and not (interpreting() and p.q.device.type == "cpu"):

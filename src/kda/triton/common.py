@@ -58,12 +58,13 @@ def interpreter_fault() -> str | None:
             # (on the CPU by name: a torch.device("meta") block is a function mode, not a dispatch one)
             offsets, out = torch.tensor([2, 5], device="cpu"), torch.zeros(1, dtype=torch.int64, device="cpu")
             _loop_bound_probe[(1,)](offsets, out)
+            total = out.item()  # (read inside too: outside, a FakeTensorMode would take the read)
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the answer
         import numpy
 
         return (f"Triton {triton.__version__}'s interpreter fails with NumPy {numpy.__version__} on loop bounds "
                 f"loaded from memory ({type(e).__name__}); install numpy<2.4 or a newer Triton")  # fmt: skip
-    return None if int(out) == 9 else f"Triton {triton.__version__}'s interpreter miscounts a loop (got {int(out)})"
+    return None if total == 9 else f"Triton {triton.__version__}'s interpreter miscounts a loop (got {total})"
 
 
 def autotune_configs(params: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]) -> list[triton.Config]:
