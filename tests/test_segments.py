@@ -336,14 +336,14 @@ def test_no_automatic_split_off_the_cuda_path(monkeypatch):
 
 def test_no_call_is_split_under_a_graph_capture(monkeypatch):
     """KDA_SEGMENT_TOKENS forces the split on any backend, but not under a CUDA-graph capture,
-    which the split's copies of its segment table to the device would fail (api.capturing, asked
-    on every route since a review of 2026-12-04; the GPU test below captures for real)."""
-    import kda.api
+    which the split's copies of its segment table to the device would fail (dispatch.capturing,
+    asked on every route since a review of 2026-12-04; the GPU test below captures for real)."""
+    import kda.dispatch
 
     case = make_case(T=80, H=1, K=16, V=8, gate="precomputed", seed=87)
     monkeypatch.setenv("KDA_SEGMENT_TOKENS", "32")
     for under_capture, want in ((False, True), (True, False)):
-        monkeypatch.setattr(kda.api, "capturing", lambda q, c=under_capture: c)
+        monkeypatch.setattr(kda.dispatch, "capturing", lambda q, c=under_capture: c)
         with kda.record_dispatch() as events:
             kda.chunk_kda(*case.tensors(), backend="torch", **case.kwargs())
         assert ("segments:32" in events) == want, (under_capture, events)

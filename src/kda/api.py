@@ -127,7 +127,10 @@ def chunk_kda(
         lengths = _lengths(problem) if span or longest >= segments.long_tokens() else None
         if span is None:  # (the length first: a call too short to split pays no more host time)
             span, why = _auto_segments(problem, backend, lengths) if lengths is not None else (0, "")
-        if span and longest > span and not capturing(q):
+        # No call is split under a CUDA-graph capture, on any route: the split copies its segment
+        # table to the device, which a capture refuses (until a review of 2026-12-04 only the
+        # automatic route asked, so a forced KDA_SEGMENT_TOKENS failed the capture).
+        if span and longest > span and not dispatch.capturing(q):
             kw = _call_kwargs(locals(), kwargs)
             kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")  # the split makes its own
             for name in validation.IGNORED_KWARGS:  # (use_graph's check is of the caller's offsets)
@@ -190,14 +193,6 @@ def padded(problem: validation.Problem, out: tuple) -> tuple:
     return (torch.nn.functional.pad(out[0], (0, 0, 0, 0, 0, problem.padding)), *out[1:])
 
 
-def capturing(q: torch.Tensor) -> bool:
-    """Whether ``q``'s GPU stream is being captured into a CUDA graph: no call is split then, on
-    any route (the split copies its segment table to the device, which a capture refuses; until
-    a review of 2026-12-04 only the automatic route asked, so a forced ``KDA_SEGMENT_TOKENS``
-    failed the capture)."""
-    return q.is_cuda and dispatch.stream_capturing(q.get_device())
-
-
 def _lengths(problem) -> list[int]:
     values = problem.cu_seqlens_values
     return [problem.T] * problem.B if values is None else [b - a for a, b in zip(values, values[1:])]
@@ -205,7 +200,7 @@ def _lengths(problem) -> list[int]:
 
 def _auto_segments(problem, backend: str, lengths: list[int]) -> tuple[int, str]:
     """The automatic split (``segments.auto_span``) of a call the CUDA path would run, the
-    only path it was measured on (never under a CUDA-graph capture: :func:`capturing`); (0, "")
+    only path it was measured on (never under a CUDA-graph capture: dispatch.capturing); (0, "")
     for any other."""
     if backend not in ("auto", "cuda") or not problem.q.is_cuda:
         return 0, ""

@@ -124,6 +124,11 @@ def stream_capturing(device_index: int) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether the stream of the GPU that holds ``x`` is being captured into a CUDA graph."""
+    return x.is_cuda and stream_capturing(x.get_device())
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKEND_MODULES:
         raise ValueError(f"`backend` must be one of 'auto', {', '.join(map(repr, BACKEND_MODULES))}; got {name!r}")

@@ -199,7 +199,11 @@ def check_graph_offsets(kwargs: dict, N: int) -> None:
 
 
 def _capturing(x: Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    """dispatch.capturing (the stream of x's GPU, not of the current device; imported here, as
+    dispatch imports this module)."""
+    from kda.dispatch import capturing
+
+    return capturing(x)
 
 
 def _offsets_tensor(cu_seqlens: object) -> torch.Tensor:
