@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -74,6 +75,24 @@ def test_fla_chunk_kda_reaches_kda_on_cpu(fla_kda, caplog):
     assert events[0] == "chunk_kda -> torch", events
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert any(line.startswith("[FLA Backend]") and line.endswith("chunk_kda -> kda") for line in fla_log_lines(caplog))
+
+
+def test_fla_transpose_state_layout_warns_once_at_the_callers_line(fla_kda):
+    """fla's deprecated ``transpose_state_layout`` through fla's chunk_kda to kda: one
+    DeprecationWarning, pointing at the line that called fla (kda's verifier and its call each
+    warned, both at kda's or fla's own files, until 2026-12-07), and the layout honoured."""
+    case = make_case(B=1, T=19, H=1, HV=2, K=16, V=8, state_v_first=True, seed=43)
+    kw = case.kwargs()
+    kw["transpose_state_layout"] = kw.pop("state_v_first")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fla_kda.chunk_kda(*case.tensors(), **kw)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert [(w.filename, str(w.message)) for w in deprecations] == [
+        (__file__, "`transpose_state_layout` is deprecated; use `state_v_first`")
+    ], [(w.filename, w.lineno, str(w.message)) for w in deprecations]
+    want = kda.chunk_kda(*case.tensors(), **case.kwargs())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_fla_graph_mode_padded_buffer_reaches_kda(fla_kda):

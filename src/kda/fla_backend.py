@@ -33,7 +33,10 @@ runs.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
+import warnings
 
 BACKEND_TYPE = "kda"
 ENV_VAR = "FLA_KDA"
@@ -63,11 +66,35 @@ def _host_offsets(cu_seqlens) -> object:
     return kept[2]
 
 
+def _fold_layout_alias(kwargs: dict, warn: bool) -> dict:
+    """``kwargs`` with fla's deprecated ``transpose_state_layout`` passed as ``state_v_first``
+    (both given: unchanged, for kda's check to refuse). kda's chunk_kda warns at its caller,
+    which here is this module, and the verifier's check warned again: so both fold it, and the
+    implementation alone warns, at the first frame outside kda, fla and torch (fla's dispatcher
+    runs under torch.compiler.disable): the user's call."""
+    if "transpose_state_layout" not in kwargs or "state_v_first" in kwargs:
+        return kwargs
+    if warn:
+        import fla
+        import torch
+
+        from kda import validation
+
+        ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["kda"], fla, torch))
+        frame, level = sys._getframe(), 1
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(ours):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(validation.LAYOUT_ALIAS_DEPRECATED, DeprecationWarning, stacklevel=level)
+    folded = {name: x for name, x in kwargs.items() if name != "transpose_state_layout"}
+    return {**folded, "state_v_first": kwargs["transpose_state_layout"]}
+
+
 def _chunk_refusal(args: tuple, kwargs: dict) -> str | None:
     """Why kda does not take ``fla.ops.kda.chunk_kda(*args, **kwargs)``, or None."""
     from kda import api, dispatch
 
     _handoff.kept = None
+    kwargs = _fold_layout_alias(kwargs, warn=False)
     ctx = kwargs.get("cp_context")
     if ctx is not None:  # kda takes fla's contiguous layout (kda.context_parallel.from_fla_cp_context)
         layout = getattr(ctx, "layout", None)
@@ -156,6 +183,7 @@ def _make_backends():
         def chunk_kda(self, *args, **kwargs):
             import kda
 
+            kwargs = _fold_layout_alias(kwargs, warn=True)
             # (cu_seqlens by keyword, as fla's layers pass it; given positionally, the call copies it again)
             host = _host_offsets(kwargs.get("cu_seqlens"))
             if host is not None and kwargs.get("cu_seqlens_cpu") is None:

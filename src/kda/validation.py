@@ -332,6 +332,9 @@ def _check_gate_params(
     return A_log, dt_bias
 
 
+LAYOUT_ALIAS_DEPRECATED = "`transpose_state_layout` is deprecated; use `state_v_first`"
+
+
 def fold_state_layout(state_v_first: object, kwargs: dict, stacklevel: int) -> object:
     """``state_v_first``, or fla's deprecated ``transpose_state_layout`` of ``kwargs`` in its place
     (with a DeprecationWarning at ``stacklevel``; both given is an error). chunk_kda folds it in
@@ -340,7 +343,7 @@ def fold_state_layout(state_v_first: object, kwargs: dict, stacklevel: int) -> o
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise ValueError("pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
-        warnings.warn("`transpose_state_layout` is deprecated; use `state_v_first`", DeprecationWarning, stacklevel)
+        warnings.warn(LAYOUT_ALIAS_DEPRECATED, DeprecationWarning, stacklevel)
         state_v_first = kwargs["transpose_state_layout"]
     return state_v_first
 
