@@ -465,6 +465,42 @@ def test_compile_fullgraph_takes_scale_and_lower_bound_as_arguments(dynamic):
         torch.testing.assert_close(got, f(*case.tensors(), scale, lower_bound), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("host_copy", [False, True])
+def test_compile_fullgraph_takes_varlen_calls(host_copy):
+    """torch.compile(fullgraph=True) of a varlen training call (packed sequences): the offsets'
+    values cannot be read while dynamo traces (its data-dependent error under fullgraph until
+    2026-12-07), so under compile the call reads them where the operator runs and checks them
+    there. Outputs and gradients equal eager's, new lengths (same T and N) rerun the graph, a
+    padded buffer included, and bad offsets still raise a ValueError naming `cu_seqlens`."""
+    torch._dynamo.reset()
+
+    def f(q, k, v, g, beta, h0, A_log, dt_bias, cu, cu_cpu):
+        o, ht = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
+                              cu_seqlens_cpu=cu_cpu, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+                              safe_gate=True, backend="triton")  # fmt: skip
+        return o.square().sum() + ht.square().sum(), o, ht
+
+    def leaves(case):
+        return case.tensors() + (case.initial_state, case.A_log, case.dt_bias)
+
+    compiled = torch.compile(f, fullgraph=True)
+    for i, (lens, end) in enumerate((([5, 0, 27], 32), ([20, 11, 1], 32), ([20, 11, 1], 29))):
+        case = make_case(seq_lens=lens, H=1, K=16, V=16, gate="lower_bound", device=DEVICE, seed=90 + i)
+        cu = case.cu_seqlens.clamp(max=end).to(DEVICE)  # (end < T: a padded buffer, rows past it zero)
+        got, want = ([x.detach().requires_grad_() for x in leaves(case)] for _ in range(2))
+        args = (cu, cu.cpu() if host_copy else None)
+        loss, o, ht = compiled(*got, *args)
+        loss.backward()
+        loss_e, o_e, ht_e = f(*want, *args)
+        loss_e.backward()
+        for a, b in ((o, o_e), (ht, ht_e), *((x.grad, y.grad) for x, y in zip(got, want))):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    bad = torch.tensor([0, 20, 11, 32], device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        compiled(*leaves(case), bad, bad.cpu() if host_copy else None)
+
+
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
 def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypatch, backend):
     """The backward's memory order (2026-12-06): the per-chunk state gradients (2 KB a token and

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kda import dispatch
+from kda import dispatch, validation
 from kda.tables import checkpoint_rows
 from kda.validation import Problem
 
@@ -30,10 +30,14 @@ def _problem(
     lower_bound: float | None, output_final_state: bool, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool,
     allow_neg_eigval: bool, safe_gate: bool, state_v_first: bool, final_state_dtype: torch.dtype,
 ) -> Problem:  # fmt: skip
-    """The :class:`Problem` the operator's arguments came from (already checked once)."""
+    """The :class:`Problem` the operator's arguments came from, checked once already but for the
+    offsets' values where torch.compile traced the call (dynamo cannot read them): read and
+    checked here, where the operator runs (a sync without a host copy, as an eager call's)."""
     B, T, H, K = q.shape
     HV, V = v.shape[-2:]
-    values = None if cu_seqlens_cpu is None else tuple(cu_seqlens_cpu.tolist())
+    values = None
+    if cu_seqlens is not None:
+        cu_seqlens, cu_seqlens_cpu, values = validation._check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     gate_form = "precomputed" if not use_gate else ("softplus" if lower_bound is None else "lower_bound")
     return Problem(
@@ -89,7 +93,17 @@ def chunk_fwd(
                 o, ht, checkpoints = train_forward(p)
             else:
                 (o, ht), checkpoints = chunk_forward(p), q.new_empty(0, dtype=torch.float32)
+    _zero_padding(p, o)
     return o, (q.new_empty(0, dtype=final_state_dtype) if ht is None else ht), checkpoints
+
+
+def _zero_padding(p: Problem, *rows: Tensor) -> None:
+    """Zero ``rows`` past the end of a padded buffer (``cu_seqlens`` ending before T) whose
+    offsets were read here: a call torch.compile traced runs the buffer whole (an eager call's
+    check cuts it to the covered rows) and the kernels never write those rows."""
+    end = p.T if p.cu_seqlens_values is None else p.cu_seqlens_values[-1]
+    for x in rows if end < p.T else ():
+        x[:, end:].zero_()
 
 
 def _cuda_misaligned(p: Problem) -> str | None:
@@ -136,6 +150,7 @@ def chunk_bwd(
     dispatch.note("chunk_kda backward -> triton")
     with dispatch.on_device_of(q):  # autograd's device threads set it too; a direct call may not
         grads = backward(p, do, dht, checkpoints, use_cuda)
+    _zero_padding(p, *(grads[name] for name in ("q", "k", "v", "g", "beta")))
     return (
         grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"],  # outputs may not alias: one empty each
         *(q.new_empty(0) if grads.get(name) is None else grads[name] for name in ("A_log", "dt_bias", "initial_state")),

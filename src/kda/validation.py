@@ -94,8 +94,9 @@ class Problem:
 
     @property
     def lengths_unchecked(self) -> bool:
-        """A varlen call whose lengths never reached the host (CHECK_CU_SEQLENS, a capture)."""
-        return self.cu_seqlens is not None and self.cu_seqlens_cpu is None
+        """A varlen call whose lengths were not read on the host (CHECK_CU_SEQLENS, a capture, a
+        call traced by torch.compile: its host copy, if any, is read when the operator runs)."""
+        return self.cu_seqlens is not None and self.cu_seqlens_values is None
 
     @property
     def longest(self) -> int:
@@ -231,6 +232,7 @@ def _check_cu_seqlens(
         _require_device("cu_seqlens", cu, device)
     if B != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (flatten the sequences), got B={B}")
+    host = None
     if cu_seqlens_cpu is not None:
         host = (
             cu_seqlens_cpu if isinstance(cu_seqlens_cpu, Tensor) else _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
@@ -240,6 +242,11 @@ def _check_cu_seqlens(
                 f"`cu_seqlens_cpu` must be an int64 or int32 CPU copy of `cu_seqlens` with shape {list(shape)}, "
                 f"got {host.dtype} on {host.device} with shape {list(host.shape)}"
             )
+    if torch.compiler.is_compiling():
+        # dynamo cannot read the values while it traces (under fullgraph, a data-dependent error
+        # until 2026-12-07): the call runs through kda::chunk_fwd, which checks them where it runs
+        return cu.long().contiguous(), None if host is None else host.long(), None
+    if host is not None:
         # The kernels read `cu_seqlens`; its host copy is what is checked (and what sets the
         # route), so the two must agree. Compared where that costs no device sync: both on the
         # CPU, or with KDA_CHECK_CU_SEQLENS=1 (one sync per call).
