@@ -20,6 +20,8 @@ trap 'rm -rf "$src"' EXIT
 if [[ -n $rev ]]; then git -C "$root" archive "$rev" src/kda | tar -x -C "$src"; else cp -r "$root/src" "$src/"; fi
 PYTHONPATH=$src/src "$python" "$src/src/kda/abi.py" "$src/kda_abi.h" > /dev/null
 mkdir -p "$out"
+# the loader's stamp (abi.header_id: the header's sha256, 16 digits), for a REV of any age
+echo "$(sha256sum "$src/kda_abi.h" | cut -c1-16)" > "$out/kda_abi.id"
 pids=()
 for stage in prepare recurrence decode; do
   nvcc -fatbin -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Xptxas -v \

@@ -46,7 +46,95 @@ def test_kernels_built_where_nvcc_exists():
     build that silently skipped them would send every call to Triton."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH: the install skips the CUDA build by design")
-    assert loader.artefact_dir() is not None, f"nvcc exists but no {loader.ARTEFACTS} were installed"
+    folder, why = loader.find_kernels()
+    assert folder is not None, f"nvcc exists but no {loader.ARTEFACTS} were installed: {why}"
+    assert loader.stale(folder) is None, "the build stamps its kernels with this abi.py's header_id"
+
+
+@pytest.mark.parametrize("case", ["opted_out", "nvcc_11"])
+def test_the_build_skips_the_kernels_where_it_cannot_or_is_told_not_to(tmp_path, case):
+    """CMake's configure step with ``KDA_BUILD_CUDA=0``, and with an nvcc that predates sm_90a
+    (a wrapper of the real one reporting release 11.8 and refusing compute_90a, as CUDA 11's
+    does): the kernels are skipped with a message, where an old nvcc failed the whole install
+    until 2026-12-07 (a review of the build)."""
+    nvcc, cmake = shutil.which("nvcc"), shutil.which("cmake")
+    if nvcc is None or cmake is None:
+        pytest.skip("needs nvcc and cmake on PATH")
+    env = {**__import__("os").environ, "KDA_BUILD_CUDA": "0" if case == "opted_out" else "1"}
+    args = [cmake, "-S", str(SOURCES.parents[2]), "-B", str(tmp_path / "build")]
+    if case == "nvcc_11":
+        fake = tmp_path / "nvcc"
+        fake.write_text(
+            "#!/bin/sh\n"
+            'case "$*" in *--version*) echo "Cuda compilation tools, release 11.8, V11.8.89"; exit 0;; esac\n'
+            'case "$*" in *compute_90a*) echo "nvcc fatal: Unsupported gpu architecture" >&2; exit 1;; esac\n'
+            f'exec {nvcc} "$@"\n'
+        )
+        fake.chmod(0o755)
+        args.append(f"-DCMAKE_CUDA_COMPILER={fake}")
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    want = "KDA_BUILD_CUDA=0" if case == "opted_out" else "nvcc 11.8 predates sm_90a"
+    assert run.returncode == 0 and want in run.stdout, run.stdout + run.stderr
+    assert "building CUDA kernels" not in run.stdout
+
+
+def kernels_folder(path: Path, stamp: str | None) -> Path:
+    """A folder holding the kernels' names (not their images) and ``stamp``, if any."""
+    path.mkdir()
+    for name in loader.ARTEFACTS:
+        (path / name).write_bytes(b"not a fatbin")
+    if stamp is not None:
+        (path / abi.HEADER_ID_FILE).write_text(stamp + "\n")
+    return path
+
+
+def test_a_named_kernels_folder_is_the_only_one_looked_in(tmp_path, monkeypatch):
+    """``KDA_CUDA_KERNELS_DIR`` naming a folder without the kernels is refused, naming it: it
+    fell back to the package's own kernels without a word until 2026-12-07 (a device A/B of
+    two builds would have timed one build twice)."""
+    for named in (tmp_path / "absent", kernels_folder(tmp_path / "two", None)):
+        (named / loader.ARTEFACTS[1]).unlink(missing_ok=True)
+        monkeypatch.setenv("KDA_CUDA_KERNELS_DIR", str(named))
+        folder, why = loader.find_kernels()
+        assert folder is None and f"KDA_CUDA_KERNELS_DIR={named}" in why, why
+    monkeypatch.setenv("KDA_CUDA_KERNELS_DIR", str(kernels_folder(tmp_path / "whole", None)))
+    assert loader.find_kernels() == (tmp_path / "whole", None)
+
+
+def test_kernels_built_from_another_abi_are_refused(tmp_path):
+    """The build's stamp (abi.header_id, beside the fatbins) against this package's abi.py:
+    kernels built from another read the parameter blocks in another layout, and an editable
+    install does not rebuild them after a pull (a review, 2026-12-07, found this checkout's
+    venv running a K1 from before the last kernel fix)."""
+    assert loader.stale(kernels_folder(tmp_path / "same", abi.header_id())) is None
+    for name, stamp in (("other", "0123456789abcdef"), ("unstamped", None)):
+        why = loader.stale(kernels_folder(tmp_path / name, stamp))
+        assert why is not None and str(tmp_path / name) in why and abi.header_id() in why, why
+        assert (stamp or abi.HEADER_ID_FILE) in why, why
+    header = tmp_path / "kda_abi.h"
+    subprocess.run([sys.executable, abi.__file__, str(header), str(tmp_path / "id")], check=True)
+    assert (tmp_path / "id").read_text().strip() == abi.header_id()
+    assert header.read_text() == abi.header(), "the stamp is the hash of the header the kernels include"
+
+
+def test_any_hopper_gpu_makes_the_backend_available(tmp_path, monkeypatch):
+    """On a host whose current GPU is not sm_90 but another is, the backend is available (each
+    call's ``rejects`` tests its own tensors' GPU); it turned off for the whole process from
+    the current device's capability until 2026-12-07."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    folder = kernels_folder(tmp_path / "k", abi.header_id())
+    capabilities = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(loader, "find_kernels", lambda: (folder, None))
+    monkeypatch.setattr(loader, "kernels", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: f"GPU{i}")
+    monkeypatch.setattr(kda.cuda, "_capability", capabilities.__getitem__)
+    availability = kda.cuda._static_availability.__wrapped__
+    assert availability() is None
+    capabilities[1] = (10, 0)
+    why = availability()
+    assert why is not None and "GPU0 (sm_80), GPU1 (sm_100)" in why, why
 
 
 # Register ceilings the launch configuration rests on: K1's 128 threads at 6 CTAs an SM

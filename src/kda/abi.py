@@ -11,6 +11,7 @@ imports beyond the standard library: it runs in the build's isolated environment
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 
@@ -374,6 +375,21 @@ def header() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the build: python src/kda/abi.py <output header>
+# The build's stamp beside the fatbins: kernels built from another abi.py read parameter blocks
+# and workspaces of another layout (wrong answers or illegal accesses, with no message), and
+# nothing rebuilds an editable install's kernels after a pull (a review, 2026-12-07). The
+# loader refuses a folder whose stamp is missing or differs from header_id().
+HEADER_ID_FILE = "kda_abi.id"
+
+
+def header_id() -> str:
+    """A hash of :func:`header`: what the kernels were compiled against."""
+    return hashlib.sha256(header().encode()).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # the build: python src/kda/abi.py <output header> [<stamp file>]
     with open(sys.argv[1], "w") as out:
         out.write(header())
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as out:
+            out.write(header_id() + "\n")

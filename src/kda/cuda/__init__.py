@@ -84,21 +84,24 @@ read_switches()
 def _static_availability() -> str | None:
     from kda.cuda import loader
 
-    folder = loader.artefact_dir()
+    folder, why = loader.find_kernels()
     if folder is None:
-        return (
-            "CUDA kernels not built: no prepare.fatbin / recurrence.fatbin / decode.fatbin beside kda/cuda "
-            "(pip install . with nvcc and the nvidia-cutlass headers present builds them)"
-        )
+        return f"{why} (pip install . with nvcc and the nvidia-cutlass headers present builds them)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    why = loader.stale(folder)
+    if why is not None:
+        return why
     try:
         import cuda.bindings.driver  # noqa: F401
     except ImportError:
         return "cuda-bindings is not installed (pip install 'kda-kernels[cuda]')"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"the kernels are built for sm_90a (Hopper); {torch.cuda.get_device_name()} is sm_{major}{minor}"
+    # Any sm_90 GPU will do (rejects tests each call's own): the current device alone turned the
+    # backend off for a whole mixed host whose device 0 was not one (a review, 2026-12-07).
+    devices = range(torch.cuda.device_count())
+    if all(_capability(i) != (9, 0) for i in devices):
+        seen = ", ".join(f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, _capability(i)))})" for i in devices)
+        return f"the kernels are built for sm_90a (Hopper); no visible GPU is: {seen}"
     try:
         loader.kernels()
     except Exception as error:  # a missing driver library, a bad image: say which, fall back

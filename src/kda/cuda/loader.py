@@ -189,18 +189,43 @@ def workspace_views(workspace, num_chunks: int, heads: int, wgmma: bool = False)
 
 
 def artefact_dir() -> Path | None:
-    """Where the built kernels are: ``KDA_CUDA_KERNELS_DIR``, this package's folder, or a
-    ``kda/cuda`` folder on ``sys.path`` (an editable install keeps its built files in
-    site-packages while the Python sources stay in the checkout)."""
-    candidates = []
-    if os.environ.get("KDA_CUDA_KERNELS_DIR"):
-        candidates.append(Path(os.environ["KDA_CUDA_KERNELS_DIR"]))
-    candidates.append(Path(__file__).parent)
-    candidates += [Path(entry) / "kda" / "cuda" for entry in sys.path if entry]
+    """The folder of the built kernels, or None (:func:`find_kernels` says why)."""
+    return find_kernels()[0]
+
+
+def find_kernels() -> tuple[Path | None, str | None]:
+    """``(folder, None)``, where the built kernels are, or ``(None, why not)``. The folder is
+    ``KDA_CUDA_KERNELS_DIR`` when set (that folder only: one that lacks the kernels is an error,
+    not a fall back to others, which a benchmark's A/B of two builds would not notice), else
+    this package's folder or a ``kda/cuda`` folder on ``sys.path`` (an editable install keeps
+    its built files in site-packages while the Python sources stay in the checkout). Kernels
+    whose stamp is not this package's :func:`kda.abi.header_id` are refused: built from
+    another abi.py, they would read the parameter blocks in another layout."""
+    named = os.environ.get("KDA_CUDA_KERNELS_DIR")
+    if named:
+        candidates, where = [Path(named)], f"KDA_CUDA_KERNELS_DIR={named}"
+    else:
+        candidates = [Path(__file__).parent, *(Path(entry) / "kda" / "cuda" for entry in sys.path if entry)]
+        where = "beside kda/cuda"
     for folder in candidates:
         if all((folder / name).is_file() for name in ARTEFACTS):
-            return folder
-    return None
+            return folder, None
+    return None, f"CUDA kernels not built: no {' / '.join(ARTEFACTS)} {where}"
+
+
+def stale(folder: Path) -> str | None:
+    """Why the kernels in ``folder`` do not match this package's :mod:`kda.abi`, or None."""
+    try:
+        stamp = (folder / abi.HEADER_ID_FILE).read_text().strip()
+    except OSError:
+        stamp = None
+    if stamp == abi.header_id():
+        return None
+    built = f"another header ({stamp})" if stamp else f"no {abi.HEADER_ID_FILE} stamp"
+    return (
+        f"the CUDA kernels in {folder} were built from {built}, not this package's kda/abi.py "
+        f"({abi.header_id()}): rebuild them (pip install . again; an editable install does not rebuild)"
+    )
 
 
 class CudaError(RuntimeError):
@@ -363,7 +388,8 @@ class Kernels:
 
 @cache
 def kernels() -> Kernels:
-    folder = artefact_dir()
-    if folder is None:
-        raise CudaError("the CUDA kernels are not built")
+    folder, why = find_kernels()
+    why = why or stale(folder)
+    if why is not None:
+        raise CudaError(why)
     return Kernels(folder)
