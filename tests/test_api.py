@@ -370,6 +370,33 @@ def test_train_bench_table_and_plot_take_a_contender_a_case_did_not_run(tmp_path
     bench.train_plot(report, tmp_path / "train.png")  # no KeyError for the missing bars
 
 
+def test_bench_checks_what_it_times_and_keeps_every_run(tmp_path):
+    """The bench's own checks (a review of the bench, 2026-12-07): a contender whose outputs on
+    the timed inputs are off the others' is named and given no ratio; a wrong-shaped output
+    does not score as exact; a second run's files do not replace the first's; the decode
+    floor counts the bytes a plain call writes (float32 states, fla's only kind)."""
+    from kda import bench, bench_decode, reference
+
+    case = make_case(T=20, H=2, K=16, V=16, seed=7)
+    t, kw = case.tensors(), case.kwargs(backend="torch")
+    good = lambda t, kw: kda.chunk_kda(*t, **kw)  # noqa: E731
+    calls = {"fla": good, "kda-ok": good, "kda-zero": lambda t, kw: tuple(torch.zeros_like(x) for x in good(t, kw)),
+             "kda-nan": lambda t, kw: tuple(x * float("nan") for x in good(t, kw))}  # fmt: skip
+    checks = bench.agreement(calls, t, kw)
+    assert set(checks) == {"kda-ok", "kda-zero", "kda-nan"} and checks["kda-ok"]["o"] == 0.0, checks
+    assert bench.disagreeing(checks) == ["kda-zero", "kda-nan"], checks
+    with pytest.raises(ValueError, match="relative_rms"):
+        reference.relative_rms(torch.ones(1), torch.ones(4, 3))
+    first = bench.unused_stem(tmp_path / "h200-2026-12-07")
+    assert first == tmp_path / "h200-2026-12-07"
+    (tmp_path / "h200-2026-12-07.md").write_text("run 1")
+    assert bench.unused_stem(tmp_path / "h200-2026-12-07") == tmp_path / "h200-2026-12-07-2"
+    per_state = 32 * 128 * 128
+    assert bench_decode.state_bytes(1, torch.bfloat16) == per_state * 4
+    assert bench_decode.state_bytes(1, torch.bfloat16, written=torch.float32) == per_state * 6
+    assert set(bench.build_record()) == {"commit", "changed_files", "kernels", "kernels_stamp", "settings"}
+
+
 def test_decode_and_long_bench_tables_render_every_section(monkeypatch):
     """``kda bench --decode`` and ``--long`` Markdown from synthetic reports (their device runs
     write the table after every case: a formatting error would end a run), and the long

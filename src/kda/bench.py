@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda import reference
+from kda import abi, reference
 from kda.clocks import ClockSampler
 
 # bf16, K = V = 128, lower-bound gate lb = -5, l2norm and beta sigmoid fused, fp32 state [N, H, V, K].
@@ -160,9 +160,40 @@ def report_header(timing: str, inputs: str) -> tuple[dict, float, str]:
     date = datetime.date.today().isoformat()
     report = {
         "gpu": props.name, "sms": props.multi_processor_count, "date": date, "versions": versions(),
-        "measured_copy_TBps": copy_tbps, "timing": timing, "inputs": inputs,
+        "build": build_record(), "measured_copy_TBps": copy_tbps, "timing": timing, "inputs": inputs,
     }  # fmt: skip
     return report, copy_tbps, f"{gpu_slug(props.name)}-{date}"
+
+
+SETTINGS_PREFIXES = ("KDA_", "FLA_", "TRITON_")
+
+
+def build_record() -> dict:
+    """What ran, beyond the versions: the checkout's commit (and whether it had changes), the
+    CUDA kernels' folder and stamp, and the KDA_ / FLA_ / TRITON_ settings of the environment
+    (two runs' files differed only in a setting their names alone recorded until 2026-12-07)."""
+    import subprocess
+
+    from kda.cuda import loader
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    folder = loader.artefact_dir()
+    stamp = None if folder is None else (folder / abi.HEADER_ID_FILE)
+    return {
+        "commit": git("rev-parse", "--short=12", "HEAD"),
+        "changed_files": git("status", "--porcelain", "--untracked-files=no"),
+        "kernels": None if folder is None else str(folder),
+        "kernels_stamp": stamp.read_text().strip() if stamp is not None and stamp.is_file() else None,
+        "settings": {name: value for name, value in sorted(os.environ.items()) if name.startswith(SETTINGS_PREFIXES)},
+    }
 
 
 def gpu_slug(name: str) -> str:
@@ -177,10 +208,14 @@ def contenders() -> dict:
     """name -> callable(tensors, kwargs) for every implementation present."""
     import kda
 
+    def kda_call(t, kw, name):
+        with torch.inference_mode():  # every contender in one grad mode (fla's was alone in it until 2026-12-07)
+            return kda.chunk_kda(*t, backend=name, **kw)
+
     out = {}
     for b in kda.backends():
         if b.available and b.name != "torch":
-            out[f"kda-{b.name}"] = lambda t, kw, name=b.name: kda.chunk_kda(*t, backend=name, **kw)
+            out[f"kda-{b.name}"] = lambda t, kw, name=b.name: kda_call(t, kw, name)
     if importlib.util.find_spec("fla") is not None:
         fla_own_kernels()
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -190,10 +225,9 @@ def contenders() -> dict:
                 return fla_chunk_kda(*t, **kw)
 
         out["fla"] = fla_call
-    if importlib.util.find_spec("flash_kda") is not None:
-        import flash_kda
-
-        out["flash_kda"] = lambda t, kw: flash_kda.fwd(*t, **kw)
+    # (FlashKDA's figures are the anchors' in ../shared/design/anchors.md: its `fwd` takes another
+    # signature than these calls', so a FlashKDA installed here would have been timed wrongly; the
+    # contender went, 2026-12-07, a review of the bench)
     return out
 
 
@@ -359,6 +393,35 @@ def triton_configs() -> dict:
 TIMING_PASSES = 3
 
 
+# Two contenders' outputs on the timed inputs: each is about 3e-3 off float64 in bf16 (the accuracy
+# rows), so they agree to well under this; a kernel wrong on a shape the accuracy rows do not cover
+# (they take H = 8 and the lower-bound gate only) is off by O(1). Until 2026-12-07 nothing checked
+# what was timed (a review of the bench).
+AGREEMENT = 2e-2
+
+
+def agreement(calls: dict, tensors: tuple, kw: dict) -> dict:
+    """Each contender's o and final state against fla's (else the first contender's) on the
+    inputs it is timed on: relative RMS, NaN where not finite (never within AGREEMENT)."""
+    outs = {name: call(tensors, kw) for name, call in calls.items()}
+    base = "fla" if "fla" in outs else next(iter(outs))
+    o_ref, ht_ref = outs[base][0], outs[base][1]
+    return {
+        name: {
+            "against": base,
+            "o": reference.relative_rms(o, o_ref),
+            "final_state": reference.relative_rms(ht.float(), ht_ref.float()),
+        }  # fmt: skip
+        for name, (o, ht, *_) in outs.items()
+        if name != base
+    }
+
+
+def disagreeing(checks: dict) -> list[str]:
+    """The contenders whose outputs :func:`agreement` found off by more than AGREEMENT."""
+    return [name for name, c in checks.items() if not (c["o"] <= AGREEMENT and c["final_state"] <= AGREEMENT)]
+
+
 def time_calls(calls: dict, tensors: tuple, kw: dict, passes: int = TIMING_PASSES, clocks=None) -> tuple:
     """``(ms, first_call_s, pass_ms, pass_clocks)`` per contender: every contender's first call
     first (its wall time: compile and autotune, where a bench run's time goes), then ``passes``
@@ -432,6 +495,7 @@ def main(args) -> int:
         "sms": props.multi_processor_count,
         "date": date,
         "versions": versions(),
+        "build": build_record(),
         "measured_copy_TBps": copy_tbps,
         "timing": (
             f"median of {TIMING_PASSES} passes over the contenders in turn, each the median of "
@@ -451,7 +515,7 @@ def main(args) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{gpu_slug(props.name)}-{date}{args.tag}"
+    stem = unused_stem(out / f"{gpu_slug(props.name)}-{date}{args.tag}").name
     cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
     if args.cases:
         cases = [ANCHOR_CASES[i] for i in args.cases]
@@ -459,11 +523,16 @@ def main(args) -> int:
     for case in cases:
         tensors, kw = make_inputs(case)
         row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3}
+        row["agreement"] = agreement(calls, tensors, kw)
+        bad = disagreeing(row["agreement"])
+        if bad:  # timed, but given no ratio: what was timed is wrong
+            row["disagrees"] = bad
+            print(f"  {case['name']}: {bad} off {AGREEMENT:g} of the others' outputs: {row['agreement']}", flush=True)
         timing = time_calls(calls, tensors, kw, clocks=clocks)
         row["ms"], row["first_call_s"], row["pass_ms"], row["pass_clocks"] = timing
         row["triton_configs"] = triton_configs()
         if "fla" in row["ms"]:
-            row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items()}
+            row["ratio_to_fla"] = {n: t / row["ms"]["fla"] for n, t in row["ms"].items() if n not in bad}
             if case["name"] in FLASH_KDA_RATIO:
                 row["flash_kda_ratio_anchor"] = FLASH_KDA_RATIO[case["name"]]
         report["cases"].append(row)
@@ -474,9 +543,20 @@ def main(args) -> int:
     return 0
 
 
+def unused_stem(path: Path) -> Path:
+    """``path``, or ``path``-2, -3, ... : the first stem no results file has, so that a second run
+    on one card model and day does not write over the first (it did until 2026-12-07)."""
+    stem, n = path, 1
+    while any((stem.parent / f"{stem.name}{ext}").exists() for ext in (".json", ".md", ".png")):
+        n += 1
+        stem = path.parent / f"{path.name}-{n}"
+    return stem
+
+
 def write_report(report: dict, path: Path, table, draw) -> None:
     """``path``.json, .md (``table(report)``) and .png (``draw``): written after every case, so
-    that a run cut short still leaves its results."""
+    that a run cut short still leaves its results (the callers take ``path`` from
+    :func:`unused_stem` once per run)."""
     name = path.name  # not with_suffix: a --tag may hold a dot
     (path.parent / f"{name}.json").write_text(json.dumps(report, indent=1))
     (path.parent / f"{name}.md").write_text(table(report))
@@ -587,7 +667,7 @@ def train_main(args) -> int:
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{gpu_slug(props.name)}-{date}-train{args.tag}"
+    stem = unused_stem(out / f"{gpu_slug(props.name)}-{date}-train{args.tag}").name
     cases = [TRAIN_CASES[i] for i in args.cases] if args.cases else TRAIN_CASES
     import kda
 
@@ -733,6 +813,9 @@ def markdown_table(report: dict) -> str:
         lines.append(
             f"| {row['case']} | {row['floor_ms']:.3f} | " + " | ".join(cells) + f" | {anchor if anchor else '-'} |"
         )
+    lines += [f"\n{row['case']}: {', '.join(row['disagrees'])} not ratioed: their outputs on the timed inputs are "
+              f"off the others' by more than {AGREEMENT:g} ({row['agreement']})" for row in report["cases"]
+              if row.get("disagrees")]  # fmt: skip
     lines += clock_lines(report)
     lines += ["", "| accuracy case | impl | o rel RMS | final state rel RMS |", "|---|---|---:|---:|"]
     for a in report["accuracy_vs_fp64"]:

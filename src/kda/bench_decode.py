@@ -1,6 +1,7 @@
 """``kda bench --decode``: decode steps (issue 12's cases) beside fla's ``fused_recurrent_kda``,
 same inputs, same process: CUDA-graph replay and eager, float32 and bfloat16 states, a plain
-call (``initial_state`` -> new final state) and a state pool updated in place, each with its
+call (``initial_state`` -> a new float32 final state, fla's only kind; kda's bfloat16
+write-back timed apart) and a state pool updated in place, each with its
 floor (state bytes read and written over the measured copy bandwidth); the decode kernel's
 launch shapes swept; where chunk_kda should switch from its chunk stages to the decode
 kernel; the accuracy of both against the float64 token loop.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import fla_own_kernels, report_header, write_report
+from kda.bench import fla_own_kernels, report_header, unused_stem, write_report
 from kda.clocks import ClockSampler
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
@@ -59,9 +60,12 @@ def decode_inputs(N: int, T: int = 1, state_dtype=torch.float32, seed: int = 0, 
     return tensors, kw
 
 
-def state_bytes(N: int, state_dtype, H: int = DECODE_HEADS) -> int:
-    """A decode step must read every state and write it back."""
-    return 2 * N * H * D * D * torch.tensor([], dtype=state_dtype).element_size()
+def state_bytes(N: int, state_dtype, H: int = DECODE_HEADS, written=None) -> int:
+    """A decode step must read every state and write it back (in ``written``, default the
+    state's dtype: a plain call's new final state is float32 unless final_state_dtype says)."""
+    size = torch.tensor([], dtype=state_dtype).element_size()
+    out = size if written is None else torch.tensor([], dtype=written).element_size()
+    return N * H * D * D * (size + out)
 
 
 def graph_ms(fn, spans: list | None = None) -> float:
@@ -99,11 +103,12 @@ def contenders(mode: str) -> dict:
     pool = mode == "pool"
 
     def kda_call(t, kw, backend="auto"):
-        if pool:
-            N = t[0].shape[0]
-            return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N),
-                                           backend=backend)  # fmt: skip
-        return kda.fused_recurrent_kda(*t, **kw, output_final_state=True, backend=backend)
+        with torch.inference_mode():  # as fla's, below: every contender in one grad mode
+            if pool:
+                N = t[0].shape[0]
+                return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N),
+                                               backend=backend)  # fmt: skip
+            return kda.fused_recurrent_kda(*t, **kw, output_final_state=True, backend=backend)
 
     calls = {"kda": kda_call}  # auto: the CUDA decode kernel where built, else Triton's
     if cuda_built():
@@ -323,25 +328,31 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
             calls = contenders(mode)
             for N in DECODE_SEQUENCES:
                 t, kw = decode_inputs(N, state_dtype=state_dtype)
-                if mode == "plain" and state_dtype == torch.bfloat16:
-                    kw_kda = {**kw, "final_state_dtype": torch.bfloat16}
-                else:
-                    kw_kda = kw
-                floor = state_bytes(N, state_dtype) / (copy_tbps * 1e12) * 1e3
+                # Every contender the same call: a plain call writes a float32 final state (fla's
+                # only kind, kda's default). Until 2026-12-07 kda alone wrote bf16 states back in
+                # the bf16 plain rows, a third fewer bytes than fla (a review of the bench): its
+                # bf16 write-back is timed apart, below, beside its own floor.
+                written = torch.float32 if mode == "plain" else state_dtype
+                floor = state_bytes(N, state_dtype, written=written) / (copy_tbps * 1e12) * 1e3
                 row = {"N": N, "state": str(state_dtype).removeprefix("torch."), "mode": mode, "floor_ms": floor}
                 # The same bytes as one copy of the states, replayed the same way: the floor at
                 # this size, launch and ramp included (the floor above is a 2 GB copy's rate)
                 src = kw["initial_state"]
-                dst = torch.empty_like(src)
+                dst = torch.empty(src.shape, dtype=written, device=src.device)
                 row["state_copy_graph_ms"] = graph_ms(lambda src=src, dst=dst: dst.copy_(src))
                 spans = {name: [] for name in calls}  # each contender's graph timing, for its clock
                 for name, call in calls.items():
-                    kwn = kw_kda if name == "kda" else kw
                     try:
-                        row[f"{name}_graph_ms"] = graph_ms(lambda call=call, kwn=kwn: call(t, kwn), spans[name])
-                        row[f"{name}_eager_ms"] = eager_ms(lambda call=call, kwn=kwn: call(t, kwn))
+                        row[f"{name}_graph_ms"] = graph_ms(lambda call=call: call(t, kw), spans[name])
+                        row[f"{name}_eager_ms"] = eager_ms(lambda call=call: call(t, kw))
                     except Exception as e:  # noqa: BLE001 - fla's kernel may refuse a layout: say so
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+                if mode == "plain" and state_dtype == torch.bfloat16:  # kda's bf16 write-back (no fla twin)
+                    kw16 = {**kw, "final_state_dtype": torch.bfloat16}
+                    row["kda_bf16_out_graph_ms"] = graph_ms(lambda: calls["kda"](t, kw16))
+                    row["kda_bf16_out_bandwidth_fraction"] = (
+                        state_bytes(N, state_dtype) / (copy_tbps * 1e12) * 1e3 / row["kda_bf16_out_graph_ms"]
+                    )
                 timed = [name for name in calls if spans[name]]
                 for name, clock in zip(timed, clocks.windows([spans[name][0] for name in timed])):
                     row[f"{name}_graph_clock"] = clock
@@ -350,7 +361,7 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
                 if "fla_graph_ms" in row and "kda_triton_graph_ms" in row:
                     row["ratio_triton_graph"] = row["kda_triton_graph_ms"] / row["fla_graph_ms"]
                 with kda.record_dispatch() as events:
-                    calls["kda"](t, kw_kda)
+                    calls["kda"](t, kw)
                 row["kda_ran"] = ",".join(e for e in events if ":" in e)
                 for name in calls:
                     if f"{name}_graph_ms" in row:
@@ -369,7 +380,7 @@ def decode_main(args) -> int:
     report["cases"] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{stem}-decode{args.tag}"
+    stem = unused_stem(out / f"{stem}-decode{args.tag}").name
     with ClockSampler(torch.cuda.current_device()) as clocks:
         decode_cases(report, clocks, copy_tbps, out / stem)
     report["prefill_varlen"] = prefill()
@@ -403,6 +414,11 @@ def clock_lines(report: dict) -> list[str]:
             "|---|---|---:|---|---:|---:|---:|", *rows]  # fmt: skip
 
 
+def bf16_out_fraction(row: dict) -> str:
+    fraction = row.get("kda_bf16_out_bandwidth_fraction")
+    return "" if fraction is None else f" ({fraction:.2f})"
+
+
 def markdown_table(report: dict) -> str:
     lines = [
         f"# Decode, {report['gpu']}, {report['date']}",
@@ -411,8 +427,9 @@ def markdown_table(report: dict) -> str:
         f"Versions: {report['versions']}",
         "",
         "| state | mode | N | floor ms | state copy ms | kda graph ms | fla graph ms | kda / fla | kda BW frac "
-        "| fla BW frac | kda eager ms | fla eager ms | kda ran | kda triton graph ms | triton / fla |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| fla BW frac | kda eager ms | fla eager ms | kda ran | kda triton graph ms | triton / fla "
+        "| kda bf16 write-back graph ms (BW frac) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
 
     def f(row, key, fmt="{:.4f}"):
@@ -424,7 +441,8 @@ def markdown_table(report: dict) -> str:
             f"| {f(r, 'kda_graph_ms')} "
             f"| {f(r, 'fla_graph_ms')} | {f(r, 'ratio_graph', '{:.3f}')} | {f(r, 'kda_bandwidth_fraction', '{:.2f}')} "
             f"| {f(r, 'fla_bandwidth_fraction', '{:.2f}')} | {f(r, 'kda_eager_ms')} | {f(r, 'fla_eager_ms')} "
-            f"| {r.get('kda_ran', '-')} | {f(r, 'kda_triton_graph_ms')} | {f(r, 'ratio_triton_graph', '{:.3f}')} |"
+            f"| {r.get('kda_ran', '-')} | {f(r, 'kda_triton_graph_ms')} | {f(r, 'ratio_triton_graph', '{:.3f}')} "
+            f"| {f(r, 'kda_bf16_out_graph_ms')}{bf16_out_fraction(r)} |"
         )
     lines += clock_lines(report)
     acc = report.get("accuracy_vs_fp64_N32_T4", {})

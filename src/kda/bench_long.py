@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import _pyplot, bar_groups, contenders, floor_bytes, make_inputs, report_header, write_report
+from kda.bench import (
+    _pyplot,
+    bar_groups,
+    contenders,
+    floor_bytes,
+    make_inputs,
+    report_header,
+    unused_stem,
+    write_report,
+)
 from kda.clocks import ClockSampler
 from kda.segments import SETTING
 
@@ -142,7 +151,7 @@ def long_main(args) -> int:
     report["cases"] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{stem}-long{args.tag}"
+    stem = unused_stem(out / f"{stem}-long{args.tag}").name
     cases = LONG_CASES[:2] if args.quick else LONG_CASES
     if args.cases:  # as the other benches: 0-based numbers
         cases = [LONG_CASES[i] for i in args.cases]

@@ -760,7 +760,11 @@ RMS_SLICE = 1 << 24
 
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64 (summed over slices of RMS_SLICE elements, so that
-    memory stays bounded on any size); NaN anywhere gives NaN (never a pass)."""
+    memory stays bounded on any size); NaN anywhere gives NaN (never a pass). ``ref`` may
+    broadcast to x's shape, never x to ref's: a one-element x scored as exact against any
+    reference it matched one value of (a review of the bench, 2026-12-07)."""
+    if torch.broadcast_shapes(x.shape, ref.shape) != x.shape:
+        raise ValueError(f"relative_rms of a {list(x.shape)} tensor against a {list(ref.shape)} reference")
     x, ref = torch.broadcast_tensors(x, ref)
     x, ref = x.reshape(-1), ref.reshape(-1)
     err2 = torch.zeros((), dtype=torch.float64, device=ref.device)
