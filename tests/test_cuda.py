@@ -479,6 +479,22 @@ def test_gpu_compiled_inference_call_runs_the_cuda_kernels():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.gpu
+@cuda_ready
+def test_gpu_inference_mode_and_normal_calls_alternate():
+    """Calls inside torch.inference_mode and outside it, in turn, on one stream (``kda bench``
+    runs every contender in inference mode since 2026-12-07, and its other steps outside): the
+    stream's kept K1 workspace, first made inside, serves both, and each call equals the first."""
+    case = make_case(T=300, H=2, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=33)
+    with torch.inference_mode():
+        want = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+    for inference in (False, True, False):
+        with torch.inference_mode(inference), kda.record_dispatch() as events:
+            got = kda.chunk_kda(*case.tensors(), backend="cuda", **case.kwargs())
+        assert any(e.startswith("cuda:") for e in events), events
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), inference
+
+
 def test_kda_cuda_off_switch(switches):
     switches("KDA_CUDA", "0")
     assert BACKEND.availability() == "turned off by KDA_CUDA=0"
