@@ -25,6 +25,13 @@ PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels KDA_TRITON_AUTO
   python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_nan.py > "$OUT/pytest-nan.log" 2>&1
 tail -4 "$OUT/pytest-nan.log"
 left=$((CALL_SECONDS - SECONDS - 15))
+if [[ -n ${TESTS_AFTER:-} ]]; then  # (2026-12-07) test files of the tree in the time left, in place of bigmem
+  echo "== $TESTS_AFTER ($SECONDS s in, $left s left)"
+  PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels FLA_FLASH_KDA=0 timeout $((left - 5)) \
+    python3 -m pytest -q -n 8 -p no:cacheprovider -rfs $TESTS_AFTER > "$OUT/pytest-after.log" 2>&1
+  tail -6 "$OUT/pytest-after.log"
+  left=0
+fi
 echo "== bigmem ($SECONDS s in, $left s left)"
 if ((left > 60)); then
   BIGMEM_TIMEOUT=$((left - 10)) PER_TEST_TIMEOUT=$((left - 20)) OUT=$OUT/bigmem timeout $left \
