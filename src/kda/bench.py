@@ -487,35 +487,28 @@ def main(args) -> int:
     calls = pick_impls(contenders(), args.impls)
     if calls is None:
         return 1
-    copy_tbps = measure_copy_tbps()
-    props = torch.cuda.get_device_properties(0)
-    date = datetime.date.today().isoformat()
-    report = {
-        "gpu": props.name,
-        "sms": props.multi_processor_count,
-        "date": date,
-        "versions": versions(),
-        "build": build_record(),
-        "measured_copy_TBps": copy_tbps,
-        "timing": (
+    report, copy_tbps, stem = report_header(
+        (
             f"median of {TIMING_PASSES} passes over the contenders in turn, each the median of "
             "triton.testing.do_bench(warmup=25 ms, rep=100 ms); same inputs, same process; the SM clock "
             "during each pass from nvidia-smi (kda.clocks)"
         ),
-        "inputs": (
+        (
             "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5, l2norm and beta sigmoid fused; fp32 state [N,H,V,K]; "
             "the precomputed-gate case: float32 g = -exp(A_log) softplus(g_raw + dt_bias), A_log = log U(1, 16), and "
             "float32 beta = sigmoid(b) applied outside (Kimi-Linear-48B's serving form)"
         ),
-        "accuracy_vs_fp64": accuracy_rows(calls),
-        "host_overhead_tiny_call": host_overhead(calls),
-        "kernel_ms_1x8192_H96": kernel_split(calls, ANCHOR_CASES[0]),
-        "state_layout_ms_1x8192_H96": layout_cost(calls, ANCHOR_CASES[0]),
-        "cases": [],
-    }
+    )
+    report.update(
+        accuracy_vs_fp64=accuracy_rows(calls),
+        host_overhead_tiny_call=host_overhead(calls),
+        kernel_ms_1x8192_H96=kernel_split(calls, ANCHOR_CASES[0]),
+        state_layout_ms_1x8192_H96=layout_cost(calls, ANCHOR_CASES[0]),
+        cases=[],
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = unused_stem(out / f"{gpu_slug(props.name)}-{date}{args.tag}").name
+    stem = unused_stem(out / f"{stem}{args.tag}").name
     cases = ANCHOR_CASES[:2] if args.quick else ANCHOR_CASES
     if args.cases:
         cases = [ANCHOR_CASES[i] for i in args.cases]
@@ -657,7 +650,7 @@ def train_main(args) -> int:
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
     report = {
-        "gpu": props.name, "date": date, "versions": versions(),
+        "gpu": props.name, "date": date, "versions": versions(), "build": build_record(),
         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms, grads set to None each call)",
         "inputs": "bf16 q,k,v,g,beta; K=V=128; lower-bound gate lb=-5 (softplus where the case says) with A_log, "
                   "dt_bias; l2norm and beta sigmoid fused; fp32 h0 [N,H,V,K]; loss = <o, do> + <final_state, dht>; "
