@@ -776,7 +776,7 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert (prm.index_cols, prm.index_mode) == (3 if mode == 2 else 1, mode)
     assert (prm.scale, prm.lower_bound, prm.beta_scale) == (p.scale, -5.0, 1.0)
     columns = 64  # float32 states (cuda_decode.DEFAULT_COLUMNS)
-    name = loader.DECODE_KERNELS[("float32", mode == 1, columns)]
+    name = loader.DECODE_KERNELS[("float32", "float32", mode == 1, columns)]
     assert args[0] == int(kernels.kernels[name])
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 

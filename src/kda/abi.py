@@ -160,12 +160,19 @@ DECODE_THREADS = 128  # threads of a decode CTA (one per K index in the token pr
 # V columns of a decode CTA (one entry point each and state dtype): the state slice [128, BV]
 # it stages in shared memory, BV x 128 x (4 or 2) bytes (128: the whole head).
 DECODE_COLUMNS = (32, 64, 128)
-DECODE_STATE_DTYPES = ("float32", "bfloat16")
 
 
-def decode_kernel_name(state_dtype: str, v_first: bool, columns: int) -> str:
-    """The decode entry point for a state dtype, layout and CTA width (decode.cu defines each)."""
-    return f"kda_decode_{'bf16' if state_dtype == 'bfloat16' else 'f32'}_{'vk' if v_first else 'kv'}_c{columns}"
+# (state read, state written): one dtype, or a bf16 state written back in float32 (a plain call's
+# default final state; Triton's decode kernel ran those until 2026-12-07)
+DECODE_STATE_PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"))
+
+
+def decode_kernel_name(state_dtype: str, v_first: bool, columns: int, final_dtype: str | None = None) -> str:
+    """The decode entry point for a state dtype (and the final state's, where it differs: bf16
+    read, float32 written), layout and CTA width (decode.cu defines each)."""
+    widened = "_to_f32" if final_dtype not in (None, state_dtype) else ""
+    dtype = "bf16" if state_dtype == "bfloat16" else "f32"
+    return f"kda_decode_{dtype}{widened}_{'vk' if v_first else 'kv'}_c{columns}"
 
 
 # The workspace of one (chunk, head), written by prepare and read once by the recurrence (one

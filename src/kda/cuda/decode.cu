@@ -26,6 +26,8 @@
 // states); 1, slot indices[n]; 2, indices[n, t] receives the state after token t and the first
 // token reads indices[n, accepted[n] - 1]. A slot outside [0, pool_slots) is read as zeros and
 // never written, so no index reaches memory outside the pool.
+#include <type_traits>
+
 #include "kda_cuda.cuh"
 
 namespace kda {
@@ -149,7 +151,29 @@ constexpr int decode_ctas_per_sm() {
   return ctas < most ? ctas : most;
 }
 
-template <typename E, bool VFirst, int BV>
+// 16 bytes of state, as E, stored as O: one 16-byte store, or (a bf16 state written back in
+// float32: a plain call's default final state) the run's values as two float32 runs.
+template <typename E, typename O>
+__device__ __forceinline__ void store_run(O* dst, const float (&x)[Run<E>::kVec]) {
+  if constexpr (std::is_same_v<E, O>) {
+    *reinterpret_cast<uint4*>(dst) = Run<E>::pack(x);
+  } else {
+    static_assert(std::is_same_v<O, float> && Run<E>::kVec == 2 * Run<float>::kVec, "bf16 -> float32 only");
+    float lo[Run<float>::kVec], hi[Run<float>::kVec];
+#pragma unroll
+    for (int e = 0; e < Run<float>::kVec; ++e) {
+      lo[e] = x[e];
+      hi[e] = x[Run<float>::kVec + e];
+    }
+    reinterpret_cast<uint4*>(dst)[0] = Run<float>::pack(lo);
+    reinterpret_cast<uint4*>(dst)[1] = Run<float>::pack(hi);
+  }
+}
+
+// E: the state read (and kept in shared memory between tokens); O: the state written (E, or
+// float32 for a bf16 state: fla's plain calls and kda's by default return float32 final states,
+// which until 2026-12-07 sent every bf16 plain call to Triton's decode kernel).
+template <typename E, typename O, bool VFirst, int BV>
 __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   using Own = Ownership<E, VFirst, BV>;
   using R = Run<E>;
@@ -297,7 +321,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
-    return in_pool(slot) ? static_cast<E*>(p.ht) + slot * slot_elements + head_origin : nullptr;
+    return in_pool(slot) ? static_cast<O*>(p.ht) + slot * slot_elements + head_origin : nullptr;
   };
   // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
   const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
@@ -439,7 +463,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     // Pass 2: the new state, back into shared memory for the next token, and to memory where
     // this token's state is stored (every token's with 2-D indices, else the last one's).
     const bool last = t + 1 == eos;
-    E* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+    O* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
 #pragma unroll
     for (int r = 0; r < kRuns; ++r) {
       float x[kVec];
@@ -450,9 +474,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
-      const uint4 updated = R::pack(x);
-      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = updated;
-      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = updated;
+      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = R::pack(x);
+      if (dst != nullptr) store_run<E>(dst + own.offset(r, v0), x);
     }
     if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
   }
@@ -477,33 +500,48 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #endif
   if (bos == eos) wait_staged();
   if (bos == eos && store_ht && p.h0 != p.ht) {
-    E* dst = destination(first);
+    O* dst = destination(first);
     if (dst != nullptr)
 #pragma unroll 1
-      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
+      for (int r = 0; r < kRuns; ++r) {
+        if constexpr (std::is_same_v<E, O>) {  // the bits as read
+          *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
+        } else {
+          float x[kVec];
+          R::unpack(run(r), x);
+          store_run<E>(dst + own.offset(r, v0), x);
+        }
+      }
   }
 }
 
 }  // namespace
 
-#define KDA_DECODE_ENTRY(NAME, E, VFIRST, BV)                                             \
+#define KDA_DECODE_ENTRY(NAME, E, O, VFIRST, BV)                                          \
   extern "C" __global__ void __launch_bounds__(kDecodeThreads, (decode_ctas_per_sm<E, VFIRST, BV>())) \
       NAME(const DecodeParams p) {                                                         \
-    decode_slice<E, VFIRST, BV>(p);                                                        \
+    decode_slice<E, O, VFIRST, BV>(p);                                                     \
   }
 
-// Names: abi.decode_kernel_name (state dtype, layout: kv = [K, V], vk = [V, K], columns).
-KDA_DECODE_ENTRY(kda_decode_f32_kv_c32, float, false, 32)
-KDA_DECODE_ENTRY(kda_decode_f32_kv_c64, float, false, 64)
-KDA_DECODE_ENTRY(kda_decode_f32_vk_c32, float, true, 32)
-KDA_DECODE_ENTRY(kda_decode_f32_vk_c64, float, true, 64)
-KDA_DECODE_ENTRY(kda_decode_f32_kv_c128, float, false, 128)
-KDA_DECODE_ENTRY(kda_decode_f32_vk_c128, float, true, 128)
-KDA_DECODE_ENTRY(kda_decode_bf16_kv_c32, __nv_bfloat16, false, 32)
-KDA_DECODE_ENTRY(kda_decode_bf16_kv_c64, __nv_bfloat16, false, 64)
-KDA_DECODE_ENTRY(kda_decode_bf16_vk_c32, __nv_bfloat16, true, 32)
-KDA_DECODE_ENTRY(kda_decode_bf16_vk_c64, __nv_bfloat16, true, 64)
-KDA_DECODE_ENTRY(kda_decode_bf16_kv_c128, __nv_bfloat16, false, 128)
-KDA_DECODE_ENTRY(kda_decode_bf16_vk_c128, __nv_bfloat16, true, 128)
+// Names: abi.decode_kernel_name (state dtype, "_to_f32" where a bf16 state is written back in
+// float32, layout: kv = [K, V], vk = [V, K], columns).
+KDA_DECODE_ENTRY(kda_decode_f32_kv_c32, float, float, false, 32)
+KDA_DECODE_ENTRY(kda_decode_f32_kv_c64, float, float, false, 64)
+KDA_DECODE_ENTRY(kda_decode_f32_vk_c32, float, float, true, 32)
+KDA_DECODE_ENTRY(kda_decode_f32_vk_c64, float, float, true, 64)
+KDA_DECODE_ENTRY(kda_decode_f32_kv_c128, float, float, false, 128)
+KDA_DECODE_ENTRY(kda_decode_f32_vk_c128, float, float, true, 128)
+KDA_DECODE_ENTRY(kda_decode_bf16_kv_c32, __nv_bfloat16, __nv_bfloat16, false, 32)
+KDA_DECODE_ENTRY(kda_decode_bf16_kv_c64, __nv_bfloat16, __nv_bfloat16, false, 64)
+KDA_DECODE_ENTRY(kda_decode_bf16_vk_c32, __nv_bfloat16, __nv_bfloat16, true, 32)
+KDA_DECODE_ENTRY(kda_decode_bf16_vk_c64, __nv_bfloat16, __nv_bfloat16, true, 64)
+KDA_DECODE_ENTRY(kda_decode_bf16_kv_c128, __nv_bfloat16, __nv_bfloat16, false, 128)
+KDA_DECODE_ENTRY(kda_decode_bf16_vk_c128, __nv_bfloat16, __nv_bfloat16, true, 128)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_kv_c32, __nv_bfloat16, float, false, 32)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_kv_c64, __nv_bfloat16, float, false, 64)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_kv_c128, __nv_bfloat16, float, false, 128)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_vk_c32, __nv_bfloat16, float, true, 32)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_vk_c64, __nv_bfloat16, float, true, 64)
+KDA_DECODE_ENTRY(kda_decode_bf16_to_f32_vk_c128, __nv_bfloat16, float, true, 128)
 
 }  // namespace kda

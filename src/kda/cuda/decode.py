@@ -78,7 +78,8 @@ def decode_rejects(p: Problem) -> str | None:
     dtype = state_dtype(p)
     if dtype not in STATE_DTYPES:
         return f"a {dtype} state (the CUDA decode kernel takes float32 or bfloat16)"
-    if p.pool is None and p.output_final_state and p.final_state_dtype != dtype:
+    widened = (dtype, p.final_state_dtype) == (torch.bfloat16, torch.float32)  # (decode.cu's _to_f32 entries)
+    if p.pool is None and p.output_final_state and p.final_state_dtype != dtype and not widened:
         return f"a {dtype} initial state with a {p.final_state_dtype} final state (one dtype in and out)"
     if dtype == torch.bfloat16 and (p.T != 1 if p.cu_seqlens is None else p.lengths_unchecked or p.longest > 1):
         return "bfloat16 states over more than one token a sequence (kept in bfloat16 between tokens)"
@@ -138,7 +139,8 @@ def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.
         p.T, p.N, p.N if p.pool is None else p.pool.shape[0], p.H, p.HV, idx.shape[1] if mode == 2 else 1, mode,
         bits, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, 2.0 if p.allow_neg_eigval else 1.0,
     )  # fmt: skip
-    name = loader.DECODE_KERNELS[(dtype, p.state_v_first, columns)]
+    final = STATE_DTYPES[ht.dtype] if ht is not None and p.pool is None else dtype
+    name = loader.DECODE_KERNELS[(dtype, final, p.state_v_first, columns)]
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_decode_params(params)

@@ -67,10 +67,10 @@ class TablesParams(ctypes.Structure):
 PARAMS_LAYOUT = _packing(Params)
 DECODE_PARAMS_LAYOUT = _packing(DecodeParams)
 TABLES_PARAMS_LAYOUT = _packing(TablesParams)
-# Every decode entry point: (state dtype, V first, columns) -> name (decode.cu)
+# Every decode entry point: (state dtype, final state dtype, V first, columns) -> name (decode.cu)
 DECODE_KERNELS = {
-    (dtype, v_first, columns): abi.decode_kernel_name(dtype, v_first, columns)
-    for dtype in abi.DECODE_STATE_DTYPES
+    (dtype, final, v_first, columns): abi.decode_kernel_name(dtype, v_first, columns, final)
+    for dtype, final in abi.DECODE_STATE_PAIRS
     for v_first in (False, True)
     for columns in abi.DECODE_COLUMNS
 }
