@@ -501,6 +501,31 @@ def test_compile_fullgraph_takes_varlen_calls(host_copy):
         compiled(*leaves(case), bad, bad.cpu() if host_copy else None)
 
 
+@pytest.mark.parametrize("route", ["torch", "auto", "pool"])
+def test_compile_checks_offsets_on_routes_past_the_operator(route):
+    """Under torch.compile (graph breaks allowed) bad offsets raise on every route: the torch
+    backend, auto on CPU tensors (which picks it) and a state pool do not go through kda::chunk_fwd,
+    which reads offsets left unread while dynamo traces, so they read them themselves (a review
+    of 2026-12-07 found them accepted silently once the first version deferred every call's)."""
+    torch._dynamo.reset()
+    case = make_case(seq_lens=[25, 3, 12], H=1, K=16, V=16, gate="precomputed", seed=95)
+    bad = torch.tensor([0, 25, 11, 40])
+    kw = dict(cu_seqlens=bad, use_qk_l2norm_in_kernel=True)
+    if route == "pool":
+        pool, slots = case.initial_state.new_zeros(4, *case.initial_state.shape[1:]), torch.tensor([0, 1, 2])
+
+        def f(*t):
+            return kda.fused_recurrent_kda(*t, initial_state=pool, inplace_final_state=True, ssm_state_indices=slots,
+                                           **kw)  # fmt: skip
+    else:
+
+        def f(*t):
+            return kda.chunk_kda(*t, backend=route if route == "torch" else AUTO, output_final_state=True, **kw)
+
+    with pytest.raises(ValueError, match="non-decreasing"):
+        torch.compile(f)(*case.tensors())
+
+
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_ready])])
 def test_backward_frees_the_state_gradients_before_the_input_gradients(monkeypatch, backend):
     """The backward's memory order (2026-12-06): the per-chunk state gradients (2 KB a token and

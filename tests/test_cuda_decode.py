@@ -51,8 +51,8 @@ def test_gpu_cuda_decode_matches_the_fp64_token_loop(
     # _to_f32 entries, 2026-12-07: a plain call's default final state)
     dtype = torch.bfloat16 if state.startswith("bfloat16") else torch.float32
     final = torch.float32 if state == "bfloat16_to_float32" else dtype
-    if dtype == torch.bfloat16:  # the kernel keeps a bf16 state in bf16: one token a sequence
-        lens, T = None, 1
+    if dtype == torch.bfloat16:  # the kernel keeps a bf16 state in bf16: one token a sequence, or none
+        lens, T = (None if lens is None else [min(n, 1) for n in lens]), 1
     case = decode_case(lens, batch, T, HV=2, group=group, gate=gate, layout=layout, seed=seed,
                        with_state=state != "none")  # fmt: skip
     case.l2norm = l2norm

@@ -89,6 +89,22 @@ def fake_device(load_kernels, monkeypatch, block: type = loader.Params) -> tuple
     return libcuda, kernels
 
 
+def test_kernels_missing_an_entry_point_say_rebuild(load_kernels, monkeypatch):
+    """A fatbin without one of this package's entry points (kernels built from older sources:
+    the stamp covers the ABI header, not the entry points, 2026-12-07) is refused with the file,
+    the entry point and what to do, not the driver's bare NOT_FOUND."""
+    missing = loader.abi.decode_kernel_name("bfloat16", False, 128, "float32")
+    real = driver.cuLibraryGetKernel
+
+    def get_kernel(library, name):
+        return (driver.CUresult.CUDA_ERROR_NOT_FOUND, None) if name == missing.encode() else real(library, name)
+
+    monkeypatch.setattr(driver, "cuLibraryGetKernel", get_kernel)
+    monkeypatch.setattr(driver, "cuGetErrorString", lambda err: (OK, b"named symbol not found"))
+    with pytest.raises(loader.CudaError, match=f"decode.fatbin has no entry point {missing}: .*rebuild"):
+        load_kernels(None)
+
+
 def test_direct_launch_passes_the_driver_arguments_in_order(load_kernels):
     libcuda = FakeLibcuda()
     kernels = load_kernels(libcuda.launch)
@@ -779,6 +795,40 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     name = loader.DECODE_KERNELS[("float32", "float32", mode == 1, columns)]
     assert args[0] == int(kernels.kernels[name])
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
+
+
+@pytest.mark.parametrize(
+    "state, final, pool, want",
+    [
+        (torch.bfloat16, torch.float32, False, "kda_decode_bf16_to_f32_kv_c128"),
+        (torch.bfloat16, torch.bfloat16, False, "kda_decode_bf16_kv_c128"),
+        (torch.bfloat16, None, True, "kda_decode_bf16_kv_c128"),
+        (torch.float32, torch.float32, False, "kda_decode_f32_kv_c64"),
+    ],
+)
+def test_cuda_decode_picks_the_entry_point_of_its_state_dtypes(load_kernels, monkeypatch, state, final, pool, want):
+    """A bf16 state written back in float32 (a plain call's default final state) launches a
+    _to_f32 entry point; a bf16 final state, or a bf16 pool (one dtype, in place), the bf16 one
+    (2026-12-07)."""
+    from kda.cuda import decode as cuda_decode
+    from kda.validation import check_pool
+
+    libcuda, kernels = fake_device(load_kernels, monkeypatch, loader.DecodeParams)
+    case = make_case(B=3, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=8)
+    case.initial_state = case.initial_state.to(state)
+    kw = case.kwargs(final_state_dtype=final)
+    kw.pop("safe_gate")
+    if pool:
+        kw.pop("initial_state"), kw.pop("output_final_state")
+        p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+        p = check_pool(p, torch.zeros(5, 4, 128, 128, dtype=state), torch.tensor([4, -1, 0]), None)
+    else:
+        p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
+    assert cuda_decode.decode_rejects(p) is None, cuda_decode.decode_rejects(p)
+    o, ht = cuda_decode.decode(p)
+    ((args, prm),) = libcuda.calls
+    assert args[0] == int(kernels.kernels[want]), [n for n, k in kernels.kernels.items() if int(k) == args[0]]
+    assert ht.dtype == (state if pool else final)
 
 
 @pytest.mark.parametrize("offset, refused", [(8, True), (4, True), (16, False)])

@@ -118,7 +118,7 @@ def chunk_kda(
         "chunk_kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
         kwargs.get("A_log"), kwargs.get("dt_bias"), return_intermediate_states, state_v_first, cu_seqlens,
-        cu_seqlens_cpu, final_state_dtype, kwargs,
+        cu_seqlens_cpu, final_state_dtype, kwargs, defer_offsets=backend != "torch",
     )  # fmt: skip
     span = segments.segment_tokens()
     # (the split needs the lengths on the host: a call that left them unchecked is not split)
@@ -274,6 +274,7 @@ def fused_recurrent_kda(
         "fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False,
         lower_bound, A_log, dt_bias, False, state_v_first, cu_seqlens, cu_seqlens_cpu, final_state_dtype, kwargs,
+        defer_offsets=backend != "torch",
     )  # fmt: skip
     return run(problem, backend)
 

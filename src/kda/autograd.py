@@ -100,9 +100,11 @@ def chunk_fwd(
 def _zero_padding(p: Problem, *rows: Tensor) -> None:
     """Zero ``rows`` past the end of a padded buffer (``cu_seqlens`` ending before T) whose
     offsets were read here: a call torch.compile traced runs the buffer whole (an eager call's
-    check cuts it to the covered rows) and the kernels never write those rows."""
+    check cuts it to the covered rows) and the kernels never write those rows. Not under a
+    CUDA-graph capture, whose replays may cover more rows than this end (validation leaves
+    the rows past it undefined there, as fla's use_graph layout does)."""
     end = p.T if p.cu_seqlens_values is None else p.cu_seqlens_values[-1]
-    for x in rows if end < p.T else ():
+    for x in rows if end < p.T and not dispatch.capturing(p.q) else ():
         x[:, end:].zero_()
 
 

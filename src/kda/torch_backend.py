@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kda import reference
+from kda import reference, validation
 from kda.validation import Problem
 
 
@@ -65,6 +65,11 @@ class TorchBackend:
         return None
 
     def run(self, p: Problem) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if p.cu_seqlens is not None and p.cu_seqlens_values is None and torch.compiler.is_compiling():
+            # Offsets left unread for kda::chunk_fwd (auto, traced by torch.compile), which this
+            # backend does not go through: its token loop reads them on the host anyway, so they
+            # are checked here (a graph break; under fullgraph, dynamo's error, as before 2026-12-07).
+            validation._check_cu_seqlens(p.cu_seqlens, p.cu_seqlens_cpu, p.B, p.T, p.q.device)
         if p.pool is not None:  # the pool is updated in place (a transposed view writes through)
             pool = p.pool.transpose(-1, -2) if p.state_v_first else p.pool
             o = reference.pooled_recurrent_kda(

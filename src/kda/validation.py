@@ -218,10 +218,11 @@ def _offsets_tensor(cu_seqlens: object) -> torch.Tensor:
 
 
 def _check_cu_seqlens(
-    cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int | None, device: torch.device
+    cu_seqlens: object, cu_seqlens_cpu: object, B: int, T: int | None, device: torch.device, defer: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, ...] | None]:
     """``(cu_seqlens, its host copy, its values as Python ints)``, or three Nones. ``T=None``:
-    the end is not checked (a context-parallel rank holds a slice of the batch it describes)."""
+    the end is not checked (a context-parallel rank holds a slice of the batch it describes).
+    ``defer``: under torch.compile, the values are not read (check_problem's defer_offsets)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
@@ -242,9 +243,10 @@ def _check_cu_seqlens(
                 f"`cu_seqlens_cpu` must be an int64 or int32 CPU copy of `cu_seqlens` with shape {list(shape)}, "
                 f"got {host.dtype} on {host.device} with shape {list(host.shape)}"
             )
-    if torch.compiler.is_compiling():
+    if defer and torch.compiler.is_compiling():
         # dynamo cannot read the values while it traces (under fullgraph, a data-dependent error
         # until 2026-12-07): the call runs through kda::chunk_fwd, which checks them where it runs
+        # (autograd._problem; any other route reads them itself: torch_backend.run)
         return cu.long().contiguous(), None if host is None else host.long(), None
     if host is not None:
         # The kernels read `cu_seqlens`; its host copy is what is checked (and what sets the
@@ -399,10 +401,13 @@ def check_problem(
     cu_seqlens_cpu: object,
     final_state_dtype: object,
     kwargs: dict,
+    defer_offsets: bool = False,
 ) -> Problem:
     """Check one call of ``op`` (the public function's arguments in this order, positionally:
     a third of the host time of passing them in a dict) and return its :class:`Problem`.
-    ``kwargs``: fla's extra keyword arguments, read and never popped."""
+    ``kwargs``: fla's extra keyword arguments, read and never popped. ``defer_offsets``: a call
+    a kernel backend would run through kda::chunk_fwd, whose offsets, under torch.compile, are
+    left for the operator to read and check (_check_cu_seqlens)."""
     if return_intermediate_states:
         raise ValueError(
             "`return_intermediate_states=True` is not supported: kda runs chunks of 16, so fla's "
@@ -457,7 +462,9 @@ def check_problem(
     if k.device != device or v.device != device or g.device != device or beta.device != device:
         _require_devices(device, k=k, v=v, g=g, beta=beta)
 
-    cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device)
+    cu_seqlens, cu_seqlens_cpu, cu_seqlens_values = _check_cu_seqlens(
+        cu_seqlens, cu_seqlens_cpu, B, T, device, defer=defer_offsets
+    )
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if kwargs and op == "chunk_kda" and cu_seqlens is not None:
         check_graph_offsets(kwargs, N)

@@ -3,7 +3,9 @@ launch one CTA per (sequence, value head, slice of V columns).
 
 It takes what the CUDA chunk path takes (bf16 q, k, v; K = V = 128; the lower-bound gate or a
 precomputed g, read in bf16 or fp32) plus grouped value heads and state pools with 1-D or 2-D
-slot indices; the state in float32 or bfloat16, the same dtype in and out. The kernel keeps
+slot indices; the state in float32 or bfloat16, written back in its own dtype or, a bfloat16
+state of a plain call, in float32 (abi.DECODE_STATE_PAIRS; auto's thresholds for that form are
+the bfloat16 ones, not measured for it: 2026-12-07). The kernel keeps
 the state in its own dtype between a sequence's tokens, so a bfloat16 state is taken only
 where every sequence has one token (the Triton decode kernel carries it in float32 otherwise).
 ``backend="auto"`` takes it only where it measured faster than Triton's: grids of many
@@ -78,9 +80,12 @@ def decode_rejects(p: Problem) -> str | None:
     dtype = state_dtype(p)
     if dtype not in STATE_DTYPES:
         return f"a {dtype} state (the CUDA decode kernel takes float32 or bfloat16)"
-    widened = (dtype, p.final_state_dtype) == (torch.bfloat16, torch.float32)  # (decode.cu's _to_f32 entries)
-    if p.pool is None and p.output_final_state and p.final_state_dtype != dtype and not widened:
-        return f"a {dtype} initial state with a {p.final_state_dtype} final state (one dtype in and out)"
+    pair = (STATE_DTYPES[dtype], STATE_DTYPES.get(p.final_state_dtype))
+    if p.pool is None and p.output_final_state and pair not in abi.DECODE_STATE_PAIRS:
+        return (
+            f"a {dtype} initial state with a {p.final_state_dtype} final state (one dtype in and out, "
+            "or bfloat16 in and float32 out)"
+        )
     if dtype == torch.bfloat16 and (p.T != 1 if p.cu_seqlens is None else p.lengths_unchecked or p.longest > 1):
         return "bfloat16 states over more than one token a sequence (kept in bfloat16 between tokens)"
     if h0 is not None and h0.data_ptr() % 16:

@@ -206,11 +206,11 @@ def find_kernels() -> tuple[Path | None, str | None]:
         candidates, where = [Path(named)], f"KDA_CUDA_KERNELS_DIR={named}"
     else:
         candidates = [Path(__file__).parent, *(Path(entry) / "kda" / "cuda" for entry in sys.path if entry)]
-        where = "beside kda/cuda"
+        where = "kda/cuda"
     for folder in candidates:
         if all((folder / name).is_file() for name in ARTEFACTS):
             return folder, None
-    return None, f"CUDA kernels not built: no {' / '.join(ARTEFACTS)} {where}"
+    return None, f"CUDA kernels not built: no {' / '.join(ARTEFACTS)} in {where}"
 
 
 def stale(folder: Path) -> str | None:
@@ -265,7 +265,13 @@ class Kernels:
             library = check(driver.cuLibraryLoadData(image, None, None, 0, None, None, 0), f"loading {artefact}")
             self.libraries.append(library)
             for name in names:
-                self.kernels[name] = check(driver.cuLibraryGetKernel(library, name.encode()), f"finding {name}")
+                try:
+                    self.kernels[name] = check(driver.cuLibraryGetKernel(library, name.encode()), f"finding {name}")
+                except CudaError as error:  # (the stamp covers the ABI header, not the entry points)
+                    raise CudaError(
+                        f"{folder / artefact} has no entry point {name}: built from older sources than this "
+                        f"package's; rebuild them (pip install . again) ({error})"
+                    ) from None
         self.params = Params()
         self.argument_array = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         # (the second block of a two-run launch, the "runs" arguments: both blocks)
