@@ -226,10 +226,10 @@ def spy_offset_checks(monkeypatch) -> list[bool]:
     seen = []
     check = validation._check_cu_seqlens
 
-    def spy(cu_seqlens, cu_seqlens_cpu, *args):
+    def spy(cu_seqlens, cu_seqlens_cpu, *args, **kwargs):
         if cu_seqlens is not None:
             seen.append(cu_seqlens_cpu is None)
-        return check(cu_seqlens, cu_seqlens_cpu, *args)
+        return check(cu_seqlens, cu_seqlens_cpu, *args, **kwargs)
 
     monkeypatch.setattr(validation, "_check_cu_seqlens", spy)
     return seen
