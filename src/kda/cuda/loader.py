@@ -198,9 +198,8 @@ def find_kernels() -> tuple[Path | None, str | None]:
     ``KDA_CUDA_KERNELS_DIR`` when set (that folder only: one that lacks the kernels is an error,
     not a fall back to others, which a benchmark's A/B of two builds would not notice), else
     this package's folder or a ``kda/cuda`` folder on ``sys.path`` (an editable install keeps
-    its built files in site-packages while the Python sources stay in the checkout). Kernels
-    whose stamp is not this package's :func:`kda.abi.header_id` are refused: built from
-    another abi.py, they would read the parameter blocks in another layout."""
+    its built files in site-packages while the Python sources stay in the checkout). Whether
+    they were built from this package's abi.py is :func:`stale`'s question."""
     named = os.environ.get("KDA_CUDA_KERNELS_DIR")
     if named:
         candidates, where = [Path(named)], f"KDA_CUDA_KERNELS_DIR={named}"
