@@ -227,3 +227,67 @@ def test_gpu_cuda_sequence_with_no_tokens_leaves_a_shared_slot_alone():
     for s in (1, 4):
         assert rel(pool[s], model[s]) <= STATE_BAR[torch.float32], s
     assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+
+
+@given(
+    kind=st.sampled_from(["plain", "plain_to_float32", "pool", "pool_2d"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    layout=st.booleans(),
+    columns=st.sampled_from(abi.DECODE_COLUMNS),
+    ctas=st.integers(1, 7),
+    seed=st.integers(0, 9999),
+)
+def test_gpu_cuda_decode_on_fewer_ctas_than_items_writes_what_one_cta_an_item_writes(
+    kind, dtype, layout, columns, ctas, seed
+):  # fmt: skip
+    """decode(p, ctas=...) runs every (sequence, value head, V slice) item on at most ``ctas``
+    CTAs, each through items a grid apart, reusing its staging barrier phase by phase and
+    loading each item's slot index during the one before (decode.cu, 2026-12-07). Against the
+    default grid (one CTA an item, checked against float64 above) on the same inputs, bit for
+    bit: o over an output poisoned with NaN, the final state, and every slot of a pool; with
+    sequences of no tokens, padding and out-of-range slots, so that items that read no state
+    (and so complete no barrier phase) sit among those that do."""
+    from kda.cuda.decode import decode
+    from kda.validation import check_pool
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "pool_2d":
+        dtype = torch.float32  # (the kernel keeps bf16 states over one token only)
+    N, HV, P = 5, 2, 7
+    one_token = dtype == torch.bfloat16
+    lens = [int(x) for x in torch.randint(0, 2 if one_token else 4, (N,), generator=gen)]
+    lens[0] = max(lens[0], 1)  # (a call of no tokens at all has nothing to compare)
+    case = decode_case(lens, HV=HV, group=2, layout=layout, seed=seed)
+    case.initial_state = case.initial_state.to(dtype)
+    final = torch.float32 if kind == "plain_to_float32" else dtype
+    kw = recurrent_kwargs(case, final_state_dtype=final)
+
+    def problem():
+        if kind.startswith("plain"):
+            return checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw), None
+        pool = pool_of(P, HV, layout, dtype, seed=seed + 1)
+        if kind == "pool":  # padding (-1), out of range (9), the rest distinct
+            idx = torch.tensor([5, -1, 2, 9, 0], device="cuda")
+            accepted = None
+        else:
+            idx = torch.tensor([[0, 1, 2], [3, -1, 4], [5, 6, -1], [8, -1, -1], [-1, -1, -1]], device="cuda")
+            accepted = torch.tensor([2, 1, 3, 0, 1], device="cuda")
+        kw_pool = {name: x for name, x in kw.items() if name not in ("initial_state", "final_state_dtype")}
+        p = check_pool(checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw_pool), pool, idx, accepted)
+        return p, pool
+
+    p_one, pool_one = problem()
+    p_few, pool_few = problem()
+    assert BACKEND.rejects(p_few) is None and p_few.N * p_few.HV * (D // columns) > ctas
+    before = None if pool_few is None else pool_few.clone()
+    torch.empty(p_few.B, p_few.T, p_few.HV, p_few.V, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
+    o_few, ht_few = decode(p_few, columns, ctas)  # (its o: most likely the NaN block just freed)
+    o_one, ht_one = decode(p_one, columns)
+    torch.cuda.synchronize()
+    assert not o_few.isnan().any(), "an output element was not written"
+    torch.testing.assert_close(o_few, o_one, rtol=0, atol=0)
+    if pool_few is None:
+        torch.testing.assert_close(ht_few, ht_one, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(pool_few, pool_one, rtol=0, atol=0)
+        assert not torch.equal(pool_few, before), "no slot was written"

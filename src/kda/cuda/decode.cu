@@ -196,35 +196,61 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
+  __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
+  // A CTA runs items blockIdx.x, blockIdx.x + gridDim.x, ...: one (sequence, value head, V
+  // slice) each. A grid of one CTA an item (decode.decode's default) runs one; a grid of the
+  // CTAs the SMs hold (decode.decode's `ctas`) runs several, each item's slot index loaded
+  // while the item before it runs (2026-12-07: a pool CTA issued its copy one index round trip
+  // after a plain one, run 146, and the pool ran at 0.88 of the copy bandwidth against 0.90).
+  const int64_t HV = p.value_heads;
+  const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
+  const bool idx64 = flags & kIndicesInt64;
+  const int64_t items = p.num_seqs * HV * kSlices;  // under 2^31 (decode.decode)
+  // Item i's (sequence, value head, key head, V slice) by 32-bit divisions: the head counts are
+  // small. A 64-bit division is a 98-instruction subroutine, and three of them, one after
+  // another, stood between a CTA's start and its slot index load and state copy (cuobjdump of
+  // kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K] slices of 64 columns keep them: with
+  // the 32-bit ones ptxas spilled 76 B in the token loop at their five CTAs an SM (nvcc 13.0,
+  // 2026-12-04).
+  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
+  const auto sequence_of = [&](int64_t item) -> int64_t {
+    if constexpr (kDivide64) return item / kSlices / HV;
+    return uint32_t(item) / kSlices / uint32_t(HV);
+  };
+  // The slot item's sequence reads its state from: n itself without indices.
+  const auto slot_of = [&](int64_t n) -> int64_t {
+    if (mode == 1) return load_index(p.indices, n, idx64);
+    if (mode == 2) {
+      int64_t col = 0;
+      if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
+        col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
+      return load_index(p.indices, n * cols + col, idx64);
+    }
+    return n;
+  };
+  int64_t next_slot = slot_of(sequence_of(blockIdx.x));  // the next item's, loaded ahead
+  bool barrier_ready = false;
+  uint32_t phase = 0;  // of staged_bar: one completion an item whose state is read
+#pragma unroll 1
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
 #if KDA_DECODE_TRACE
   const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
   int64_t trace_c[4] = {};
 #endif
-  __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
-  const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
-  // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
-  // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
-  // subroutine, and three of them, one after another, stood between a CTA's start and its slot
-  // index load and state copy (cuobjdump of kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K]
-  // slices of 64 columns keep them: with the 32-bit ones ptxas spilled 76 B in the token loop at
-  // their five CTAs an SM (nvcc 13.0, 2026-12-04).
-  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
-  const int64_t HV = p.value_heads;
+  const int i_v = item % kSlices, v0 = i_v * BV;
   int64_t n, i_hv, i_h;
   if constexpr (kDivide64) {
-    const int64_t pair = blockIdx.x / kSlices;
+    const int64_t pair = item / kSlices;
     n = pair / HV;
     i_hv = pair % HV;
     i_h = i_hv / (HV / p.heads);
   } else {
-    const uint32_t pair = blockIdx.x / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
+    const uint32_t pair = uint32_t(item) / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
     const uint32_t i_hv32 = pair - n32 * heads_v;
     n = n32;
     i_hv = i_hv32;
     i_h = i_hv32 / (heads_v / uint32_t(p.heads));
   }
-  const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
-  const bool idx64 = flags & kIndicesInt64;
 
   int64_t bos, eos;
   if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
@@ -235,15 +261,8 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     bos = n * T;
     eos = bos + T;
   }
-  int64_t first = n;
-  if (mode == 1) {
-    first = load_index(p.indices, n, idx64);
-  } else if (mode == 2) {
-    int64_t col = 0;
-    if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
-      col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
-    first = load_index(p.indices, n * cols + col, idx64);
-  }
+  const int64_t first = next_slot;
+  const int64_t later = item + gridDim.x;  // the CTA's next item
   const int64_t slot_elements = HV * kHeadElements;
   const int64_t head_origin = i_hv * kHeadElements;
   const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
@@ -295,10 +314,13 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
       // 1417 cycles into a bf16 N=256 CTA against 1581, 2850 against 3137 in a pool, and the
       // graph time did not move: H100, run 146, 2026-12-05. The pool's later copy waits for its
       // slot index, a DRAM round trip, not for the fence.)
-      cute::initialize_barrier(staged_bar, 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      if (!barrier_ready) {  // once a CTA: later items reuse it, phase by phase
+        cute::initialize_barrier(staged_bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
       cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
     }
+    barrier_ready = true;
     const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
     if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
       if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
@@ -311,13 +333,15 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #pragma unroll 1
     for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
   }
+  // The next item's slot index, in flight while this item runs (no load without indices).
+  if (later < items) next_slot = slot_of(sequence_of(later));
 #if KDA_DECODE_TRACE
   trace_c[0] = clock64() - trace_c0;
 #endif
   // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
   // each thread's own runs, all it reads before the first CTA barrier)
   const auto wait_staged = [&] {
-    if (read) mbarrier_wait(staged_bar, 0);
+    if (read) mbarrier_wait(staged_bar, phase);
   };
   const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
@@ -513,6 +537,15 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         }
       }
   }
+  if (read) phase ^= 1;
+  if (later < items) {
+    // Every thread is done with the tile, s_vec and s_sums before the next item's copy and
+    // prologue write them; its generic accesses to the tile ordered before the copy's (the
+    // async proxy's) writes.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+  }
+  }  // items
 }
 
 }  // namespace
