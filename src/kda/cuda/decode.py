@@ -113,13 +113,6 @@ def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> t
     abi.DECODE_COLUMNS; benchmarks compare them). ``ctas``: at most this many CTAs, each
     running the items (sequence, value head, V slice) ``ctas`` apart, with each item's slot
     index loaded during the one before (default: one CTA an item; benchmarks compare them)."""
-    kernels, device_index, stream, _ = _launch_context(p)
-    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
-    h0, ht = state_tensors(p)
-    if p.pool is None and p.output_final_state:
-        ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
-    if p.N * p.HV == 0:
-        return o, ht
     dtype = STATE_DTYPES[state_dtype(p)]
     columns = columns or DEFAULT_COLUMNS[dtype]
     if columns not in abi.DECODE_COLUMNS:
@@ -129,6 +122,13 @@ def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> t
         raise ValueError(f"ctas must be a positive number of CTAs, got {ctas}")
     if items >= 2**31:  # decode.cu places an item by 32-bit divisions
         raise ValueError(f"{items} (sequence, value head, V slice) items: the decode kernel takes under 2^31")
+    kernels, device_index, stream, _ = _launch_context(p)
+    o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
+    h0, ht = state_tensors(p)
+    if p.pool is None and p.output_final_state:
+        ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
+    if p.N * p.HV == 0:
+        return o, ht
     idx = p.state_indices
     mode = 0 if idx is None else idx.dim()
     bits = input_flags(p)
