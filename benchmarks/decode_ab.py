@@ -41,16 +41,6 @@ if os.environ.get("DECODE_AB_WIDTHS"):  # e.g. "bfloat16:128 float32:64": only t
     for item in os.environ["DECODE_AB_WIDTHS"].split():
         dtype, columns = item.split(":")
         WIDTHS[getattr(torch, dtype)] = WIDTHS.get(getattr(torch, dtype), ()) + (int(columns),)
-# (2026-12-07) DECODE_AB_CTAS_PER_SM=bfloat16=5,float32=6: grids of that many CTAs an SM, each
-# running items a grid apart (kda.cuda.decode.decode's ``ctas``), in place of one CTA an item
-# (no colon or space: gpu_session.sh's DECODE_AB_DIRS gives it as a build's NAME=VALUE)
-CTAS_SETTING = os.environ.get("DECODE_AB_CTAS_PER_SM", "")
-CTAS_PER_SM = {getattr(torch, dtype): int(n) for dtype, n in (x.split("=") for x in CTAS_SETTING.split(",") if x)}
-SMS = torch.cuda.get_device_properties(0).multi_processor_count
-
-
-def ctas_of(state_dtype):
-    return CTAS_PER_SM[state_dtype] * SMS if state_dtype in CTAS_PER_SM else None
 
 
 out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "err": {}}
@@ -60,13 +50,12 @@ for state_dtype in WIDTHS:
             name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
             # accuracy against Triton on the smallest size; the pool's own state is the output
             p_cuda, p_ref = decode_problem(sizes[0], state_dtype, mode), decode_problem(sizes[0], state_dtype, mode)
-            o, ht = decode(p_cuda, columns, ctas_of(state_dtype))
+            o, ht = decode(p_cuda, columns)
             o_ref, ht_ref = triton_decode(p_ref)
             if mode == "pool":
                 ht, ht_ref = p_cuda.pool, p_ref.pool
             out["err"][name] = (relative_rms(o, o_ref), relative_rms(ht, ht_ref))
             for N in sizes:
                 p = decode_problem(N, state_dtype, mode)
-                ctas = ctas_of(state_dtype)
-                out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns, ctas=ctas: decode(p, c, ctas))
+                out["ms"][f"{name}-N{N}"] = graph_ms(lambda p=p, c=columns: decode(p, c))
 print(json.dumps(out))

@@ -797,31 +797,6 @@ def test_cuda_decode_fills_its_params_block_field_by_field(load_kernels, monkeyp
     assert args[1:9] == ((128 // columns) * 3 * 4, 1, 1, 128, 1, 1, 0, 0x5000)
 
 
-def test_cuda_decode_ctas_caps_its_grid_and_is_checked(load_kernels, monkeypatch):
-    """decode(p, ctas=c) launches min(items, c) CTAs (each running items c apart, decode.cu,
-    2026-12-07); no ``ctas`` one CTA an item; a count under one, or 2^31 items or more (decode.cu
-    places an item by 32-bit divisions), refused by name before any launch."""
-    from kda.cuda import decode as cuda_decode
-
-    libcuda, kernels = fake_device(load_kernels, monkeypatch, loader.DecodeParams)
-    case = make_case(B=3, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, gate="lower_bound", seed=9)
-    kw = case.kwargs()
-    kw.pop("safe_gate")
-    p = checked_problem(kda.fused_recurrent_kda, *case.tensors(), **kw)
-    items = (128 // cuda_decode.DEFAULT_COLUMNS["float32"]) * 3 * 4
-    for ctas, grid in ((None, items), (5, 5), (items, items), (items + 3, items)):
-        cuda_decode.decode(p, ctas=ctas)
-        assert libcuda.calls[-1][0][1:3] == (grid, 1), ctas
-    calls = len(libcuda.calls)
-    for ctas in (0, -2):
-        with pytest.raises(ValueError, match="ctas must be a positive number"):
-            cuda_decode.decode(p, ctas=ctas)
-    monkeypatch.setattr(p, "N", 2**31 // 8)  # 2^31 items of 64 columns, 4 value heads
-    with pytest.raises(ValueError, match="items: the decode kernel takes under 2"):
-        cuda_decode.decode(p)
-    assert len(libcuda.calls) == calls, "a refused call launched"
-
-
 @pytest.mark.parametrize(
     "state, final, pool, want",
     [

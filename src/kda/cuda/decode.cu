@@ -134,7 +134,7 @@ struct Ownership {
 // 0.1394 / 0.1383), so that layout went again (benchmarks/NOTES.md).
 template <typename E, int BV>
 constexpr int decode_shared_bytes() {
-  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8 + 16;
+  return kHeadDim * BV * sizeof(E) + 16 * kHeadDim + 4 * (kDecodeWarps * 3 + kDecodeWarps * 2 * BV) + 8;
 }
 template <typename E, bool VFirst, int BV>
 constexpr int decode_ctas_per_sm() {
@@ -145,11 +145,9 @@ constexpr int decode_ctas_per_sm() {
   // [K, V] bf16 32 columns: nine with the passes unrolled (2026-12-03; it spilled 4 B at ten),
   // then eight below. With the first token's inputs loaded before the staging (2026-12-03):
   // [K, V] float32 32 columns nine (32 B spilled at ten), bf16 32 and 64 columns eight (8 and
-  // 20 B at nine), [V, K] bf16 64 columns four (16 B at five). With the item loop (2026-12-07):
-  // bf16 32 columns, [K, V] seven (20 B spilled at eight) and [V, K] five (8 B at six); no
-  // default width (decode.DEFAULT_COLUMNS) moved.
-  const int most = !VFirst ? (sizeof(E) == 2 ? (BV == 128 ? 10 : BV == 64 ? 8 : 7) : BV == 32 ? 9 : 10)
-                           : BV == 128 ? 4 : BV == 64 ? (sizeof(E) == 2 ? 4 : 5) : sizeof(E) == 2 ? 5 : 6;
+  // 20 B at nine), [V, K] bf16 64 columns four (16 B at five)
+  const int most = !VFirst ? (sizeof(E) == 2 ? (BV == 128 ? 10 : 8) : BV == 32 ? 9 : 10)
+                           : BV == 128 ? 4 : BV == 64 ? (sizeof(E) == 2 ? 4 : 5) : 6;
   return ctas < most ? ctas : most;
 }
 
@@ -192,375 +190,329 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   __shared__ float4 s_vec[kHeadDim];
   __shared__ float s_sums[kDecodeWarps][3];
   __shared__ alignas(16) float s_partial[kDecodeWarps][2][BV];  // [K, V] states: per-warp sums over K
-  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) +
-                        2 * sizeof(int64_t) ==
+  static_assert(sizeof(tile) + sizeof(s_vec) + sizeof(s_sums) + sizeof(s_partial) + sizeof(uint64_t) ==
                     decode_shared_bytes<E, BV>(),
-                "decode_shared_bytes counts every array (and the staging barrier, the prefetched slots)");
+                "decode_shared_bytes counts every array (and the staging barrier)");
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const Own own(tid);
+#if KDA_DECODE_TRACE
+  const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
+  int64_t trace_c[4] = {};
+#endif
   __shared__ uint64_t staged_bar;  // the staging copy's mbarrier (below)
-  // A CTA runs items blockIdx.x, blockIdx.x + gridDim.x, ...: one (sequence, value head, V
-  // slice) each. A grid of one CTA an item (decode.decode's default) runs one; a grid of the
-  // CTAs the SMs hold (decode.decode's `ctas`) runs several, each item's slot index loaded
-  // while the item before it runs (2026-12-07: a pool CTA issued its copy one index round trip
-  // after a plain one, run 146, and the pool ran at 0.88 of the copy bandwidth against 0.90).
+  const int i_v = blockIdx.x % kSlices, v0 = i_v * BV;
+  // The CTA's (sequence, value head, key head) by 32-bit divisions: the grid is under 2^31 CTAs
+  // (loader.launch) and the head counts are small. A 64-bit division is a 98-instruction
+  // subroutine, and three of them, one after another, stood between a CTA's start and its slot
+  // index load and state copy (cuobjdump of kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K]
+  // slices of 64 columns keep them: with the 32-bit ones ptxas spilled 76 B in the token loop at
+  // their five CTAs an SM (nvcc 13.0, 2026-12-04).
+  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
   const int64_t HV = p.value_heads;
+  int64_t n, i_hv, i_h;
+  if constexpr (kDivide64) {
+    const int64_t pair = blockIdx.x / kSlices;
+    n = pair / HV;
+    i_hv = pair % HV;
+    i_h = i_hv / (HV / p.heads);
+  } else {
+    const uint32_t pair = blockIdx.x / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
+    const uint32_t i_hv32 = pair - n32 * heads_v;
+    n = n32;
+    i_hv = i_hv32;
+    i_h = i_hv32 / (heads_v / uint32_t(p.heads));
+  }
   const int64_t flags = p.flags, mode = p.index_mode, cols = p.index_cols, T = p.tokens;
   const bool idx64 = flags & kIndicesInt64;
-  // (32-bit: under 2^31 items (decode.decode), a grid apart under 2^32; 64-bit counters spilled)
-  const uint32_t items = uint32_t(p.num_seqs * HV * kSlices);
-  // Item i's (sequence, value head, key head, V slice) by 32-bit divisions: the head counts are
-  // small. A 64-bit division is a 98-instruction subroutine, and three of them, one after
-  // another, stood between a CTA's start and its slot index load and state copy (cuobjdump of
-  // kda_decode_bf16_kv_c128, 2026-12-04). Float32 [V, K] slices of 64 columns keep them: with
-  // the 32-bit ones ptxas spilled 76 B in the token loop at their five CTAs an SM (nvcc 13.0,
-  // 2026-12-04).
-  constexpr bool kDivide64 = VFirst && sizeof(E) == 4 && BV == 64;
-  const auto sequence_of = [&](uint32_t item) -> int64_t { return item / kSlices / uint32_t(HV); };
-  // The slot item's sequence reads its state from: n itself without indices.
-  const auto slot_of = [&](int64_t n) -> int64_t {
-    if (mode == 1) return load_index(p.indices, n, idx64);
-    if (mode == 2) {
-      int64_t col = 0;
-      if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
-        col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
-      return load_index(p.indices, n * cols + col, idx64);
-    }
-    return n;
-  };
-  // A 1-D index's slot for the CTA's next item, copied into shared memory by one thread while
-  // this item runs (cp.async: held in a register across the token loop, it spilled there), in
-  // one of two buffers by item parity (the other threads may still read this item's).
-  __shared__ alignas(8) int64_t s_slot[2];
-  const auto prefetch_slot = [&](uint32_t item, int buffer) {
-    const int64_t n = sequence_of(item);
-    if (idx64)
-      cute::SM80_CP_ASYNC_CACHEALWAYS<int64_t>::copy(static_cast<const int64_t*>(p.indices)[n], s_slot[buffer]);
-    else
-      cute::SM80_CP_ASYNC_CACHEALWAYS<int32_t>::copy(static_cast<const int32_t*>(p.indices)[n],
-                                                     *reinterpret_cast<int32_t*>(&s_slot[buffer]));
-    cute::cp_async_fence();
-  };
-  const auto prefetched_slot = [&](int buffer) {
-    return idx64 ? s_slot[buffer] : int64_t(*reinterpret_cast<const int32_t*>(&s_slot[buffer]));
-  };
-  // (Initialised at the item's staging instead, after the first global loads, the copy was
-  // issued 1581 cycles into a bf16 N=256 CTA against 1417 here, 3137 against 2850 in a pool,
-  // and the graph time did not move: H100, run 146, 2026-12-05. The pool's later copy waits
-  // for its slot index, a DRAM round trip, not for the fence.)
-  if (tid == 0 && (flags & kHasH0)) {
-    cute::initialize_barrier(staged_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+
+  int64_t bos, eos;
+  if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
+    bos = min(max(p.seq_offsets[n], int64_t(0)), T);
+    eos = min(max(p.seq_offsets[n + 1], bos), T);
+    if (mode == 2) eos = min(eos, bos + cols);  // and no token past the row of indices
+  } else {
+    bos = n * T;
+    eos = bos + T;
   }
-  // Bit 0: staged_bar's phase (one completion an item whose state is read); bit 1: this item's
-  // s_slot buffer. (One register: two spilled in the 32-column entries, nvcc 13.0, 2026-12-07.)
-  uint32_t parity = 0;
+  int64_t first = n;
+  if (mode == 1) {
+    first = load_index(p.indices, n, idx64);
+  } else if (mode == 2) {
+    int64_t col = 0;
+    if (p.accepted != nullptr)  // clamped into the row: an accepted count outside [1, S] reads no other row
+      col = min(max(load_index(p.accepted, n, flags & kAcceptedInt64) - 1, int64_t(0)), cols - 1);
+    first = load_index(p.indices, n * cols + col, idx64);
+  }
+  const int64_t slot_elements = HV * kHeadElements;
+  const int64_t head_origin = i_hv * kHeadElements;
+  const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
+  // Piece i of the slice (BV values; see the staging below), from the head's state origin.
+  const auto piece_offset = [&](int i) {
+    return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
+  };
+
+  // A token's inputs at the thread's K index, as stored: q, k, g, and beta, their bits held
+  // unconverted (a bf16 value in the low half) until the token loop uses them.
+  struct TokenInputs {
+    uint32_t q, k, g, beta;
+    __device__ float value(uint32_t bits, bool is_float32) const {
+      return __uint_as_float(is_float32 ? bits : bits << 16);
+    }
+  };
+  const auto load_bits = [](const void* base, int64_t i, bool is_float32) -> uint32_t {
+    return is_float32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
+  };
+  const auto load_token = [&](int64_t t) {
+    TokenInputs in;
+    const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
+    in.q = load_bits(p.q, qk_at, false);
+    in.k = load_bits(p.k, qk_at, false);
+    in.g = load_bits(p.g, row * kHeadDim + tid, flags & kGFloat32);
+    in.beta = load_bits(p.beta, row, flags & kBetaFloat32);
+    return in;
+  };
+  // The first token's inputs are loaded before the staging, so that their latency overlaps the
+  // slot index's and the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms,
+  // N=256 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 ->
+  // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM). They
+  // stay unconverted until the token loop: converted where they were loaded, they held the bulk
+  // copy's issue back by a global load's latency, 2.8 us of a CTA's 9.6 (run 62's trace, bf16
+  // whole heads at N=256, benchmarks/NOTES.md).
+  const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
+  // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
+  // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
+  // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
+  // at a time: a bulk copy takes its addresses in uniform registers). On the H200 (run 52,
+  // benchmarks/NOTES.md, 2026-12-03) the row copies took fp32 N=32 from 0.0416 to 0.0402 ms and
+  // bf16 N=256 at 64 columns from 0.1590 to 0.1476 against 16-byte cp.async copies a thread (15
+  // instructions a run on the L1 pipe); run 53: one copy of a whole bf16 head 0.1589 -> 0.1485
+  // against row copies.
+  const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
+  if (read) {
+    if (tid == 0) {
+      // (Initialised at the CTA's start instead, before any global load, the copy was issued
+      // 1417 cycles into a bf16 N=256 CTA against 1581, 2850 against 3137 in a pool, and the
+      // graph time did not move: H100, run 146, 2026-12-05. The pool's later copy waits for its
+      // slot index, a DRAM round trip, not for the fence.)
+      cute::initialize_barrier(staged_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
+    }
+    const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
+    if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
+      if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
+      __syncthreads();  // initialised before any thread waits on it
+    } else {
+      __syncthreads();  // initialised, and the byte count posted, before any piece is issued
+      cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
+    }
+  } else {
 #pragma unroll 1
-  for (uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
+    for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
+  }
 #if KDA_DECODE_TRACE
-    const int64_t trace_ns0 = global_ns(), trace_c0 = clock64();
-    int64_t trace_c[4] = {};
+  trace_c[0] = clock64() - trace_c0;
 #endif
-    const int i_v = item % kSlices, v0 = i_v * BV;
-    int64_t n, i_hv, i_h;
-    if constexpr (kDivide64) {
-      const int64_t pair = int64_t(item) / kSlices;
-      n = pair / HV;
-      i_hv = pair % HV;
-      i_h = i_hv / (HV / p.heads);
-    } else {
-      const uint32_t pair = uint32_t(item) / kSlices, heads_v = uint32_t(HV), n32 = pair / heads_v;
-      const uint32_t i_hv32 = pair - n32 * heads_v;
-      n = n32;
-      i_hv = i_hv32;
-      i_h = i_hv32 / (heads_v / uint32_t(p.heads));
+  // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
+  // each thread's own runs, all it reads before the first CTA barrier)
+  const auto wait_staged = [&] {
+    if (read) mbarrier_wait(staged_bar, 0);
+  };
+  const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
+  const auto destination = [&](int64_t slot) {
+    return in_pool(slot) ? static_cast<O*>(p.ht) + slot * slot_elements + head_origin : nullptr;
+  };
+  // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
+  const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
+  const bool writes_o = own.tk == 0;  // one thread of each column writes its output
+
+  const bool gate_lower_bound = flags & kGateLowerBound;
+  const float gate_mul = (gate_lower_bound && (flags & kHasALog)) ? expf(p.A_log[i_hv]) : 1.f;
+  const float bias = (gate_lower_bound && (flags & kHasDtBias)) ? p.dt_bias[i_hv * kHeadDim + tid] : 0.f;
+  const float lower_bound = static_cast<float>(p.lower_bound), scale = static_cast<float>(p.scale);
+  const float beta_scale = static_cast<float>(p.beta_scale);
+  const bool store_ht = mode != 2 && (flags & kStoreHt);
+  bool staged = false;
+  for (int64_t t = bos; t < eos; ++t) {
+    // Prologue: thread tid holds K index tid of q, k and the decay.
+    const int64_t row = t * HV + i_hv;
+    const TokenInputs in = t == bos ? first_inputs : load_token(t);
+    const float qv = in.value(in.q, false), kv = in.value(in.k, false);
+    float gv = in.value(in.g, flags & kGFloat32), beta = in.value(in.beta, flags & kBetaFloat32);
+    if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
+    if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
+    float vc[kColumns];
+    if constexpr (VFirst) {
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
+    } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: kda.cuda.misaligned)
+      const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
+    }
+    const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
+    float sums[3] = {qv * qv, kv * kv, qv * kv};
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+      for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
+    if (lane == 0)
+      for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
+    const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
+    s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
+    if (!staged) {
+      wait_staged();
+      staged = true;
+#if KDA_DECODE_TRACE
+      trace_c[1] = clock64() - trace_c0;
+#endif
+    }
+    __syncthreads();
+    float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      qq += s_sums[w][0];
+      kk += s_sums[w][1];
+      qk += s_sums[w][2];
+    }
+    float rq = 1.f, rk = 1.f;
+    if (flags & kL2norm) {
+      rq = rsqrtf(qq + kL2normEps);
+      rk = rsqrtf(kk + kL2normEps);
     }
 
-    int64_t bos, eos;
-    if (flags & kVarlen) {  // clamped into [0, T] (offsets unchecked on the host stay in bounds)
-      bos = min(max(p.seq_offsets[n], int64_t(0)), T);
-      eos = min(max(p.seq_offsets[n + 1], bos), T);
-      if (mode == 2) eos = min(eos, bos + cols);  // and no token past the row of indices
-    } else {
-      bos = n * T;
-      eos = bos + T;
-    }
-    const int64_t first = mode == 1 && item != blockIdx.x ? prefetched_slot(parity >> 1) : slot_of(n);
-    const uint32_t later = item + gridDim.x;  // the CTA's next item
-    const int64_t slot_elements = HV * kHeadElements;
-    const int64_t head_origin = i_hv * kHeadElements;
-    const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < p.pool_slots; };
-    // Piece i of the slice (BV values; see the staging below), from the head's state origin.
-    const auto piece_offset = [&](int i) {
-      return VFirst ? int64_t(v0) * kHeadDim + i * BV : int64_t(i) * kHeadDim + v0;
-    };
-
-    // A token's inputs at the thread's K index, as stored: q, k, g, and beta, their bits held
-    // unconverted (a bf16 value in the low half) until the token loop uses them.
-    struct TokenInputs {
-      uint32_t q, k, g, beta;
-      __device__ float value(uint32_t bits, bool is_float32) const {
-        return __uint_as_float(is_float32 ? bits : bits << 16);
-      }
-    };
-    const auto load_bits = [](const void* base, int64_t i, bool is_float32) -> uint32_t {
-      return is_float32 ? static_cast<const uint32_t*>(base)[i] : static_cast<const uint16_t*>(base)[i];
-    };
-    const auto load_token = [&](int64_t t) {
-      TokenInputs in;
-      const int64_t qk_at = (t * p.heads + i_h) * kHeadDim + tid, row = t * HV + i_hv;
-      in.q = load_bits(p.q, qk_at, false);
-      in.k = load_bits(p.k, qk_at, false);
-      in.g = load_bits(p.g, row * kHeadDim + tid, flags & kGFloat32);
-      in.beta = load_bits(p.beta, row, flags & kBetaFloat32);
-      return in;
-    };
-    // The first token's inputs are loaded before the staging, so that their latency overlaps the
-    // slot index's and the copy's (run 55, 2026-12-03, bf16 whole heads: N=32 0.0293 -> 0.0256 ms,
-    // N=256 0.1431 -> 0.1405; run 56: float32 64 columns N=32 0.0411 -> 0.0398, pools 0.0428 ->
-    // 0.0412; at 32 and 64 columns it spilled until decode_ctas_per_sm held fewer CTAs an SM). They
-    // stay unconverted until the token loop: converted where they were loaded, they held the bulk
-    // copy's issue back by a global load's latency, 2.8 us of a CTA's 9.6 (run 62's trace, bf16
-    // whole heads at N=256, benchmarks/NOTES.md).
-    const TokenInputs first_inputs = bos < eos ? load_token(bos) : TokenInputs{};
-    // Stage the slice (zeros without an initial state or a slot) through the bulk-copy unit onto
-    // one mbarrier: a contiguous slice ([V, K], or a whole [K, V] head) in one copy, a [K, V]
-    // slice of BV < 128 columns as 128 rows, a copy a thread (which the compiler issues one lane
-    // at a time: a bulk copy takes its addresses in uniform registers). On the H200 (run 52,
-    // benchmarks/NOTES.md, 2026-12-03) the row copies took fp32 N=32 from 0.0416 to 0.0402 ms and
-    // bf16 N=256 at 64 columns from 0.1590 to 0.1476 against 16-byte cp.async copies a thread (15
-    // instructions a run on the L1 pipe); run 53: one copy of a whole bf16 head 0.1589 -> 0.1485
-    // against row copies.
-    const bool read = (flags & kHasH0) && in_pool(first);  // (CTA-uniform)
-    if (read) {
-      if (tid == 0) cute::set_barrier_transaction_bytes(staged_bar, kTileBytes);
-      const E* src = static_cast<const E*>(p.h0) + first * slot_elements + head_origin;
-      if constexpr (VFirst || BV == kHeadDim) {  // a contiguous slice: one copy
-        if (tid == 0) cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(0), &staged_bar, tile, kTileBytes);
-        __syncthreads();  // initialised before any thread waits on it
-      } else {
-        __syncthreads();  // initialised, and the byte count posted, before any piece is issued
-        cute::SM90_BULK_COPY_G2S::copy(src + piece_offset(tid), &staged_bar, tile + tid * BV, BV * int(sizeof(E)));
-      }
-    } else {
-#pragma unroll 1
-      for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
-    }
-    if (mode == 1 && tid == 0 && later < items) prefetch_slot(later, (parity >> 1) ^ 1);
-#if KDA_DECODE_TRACE
-    trace_c[0] = clock64() - trace_c0;
-#endif
-    // (a thread reads other threads' pieces: every thread waits on the barrier; the zeros are
-    // each thread's own runs, all it reads before the first CTA barrier)
-    const auto wait_staged = [&] {
-      if (read) mbarrier_wait(staged_bar, parity & 1);
-    };
-    const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
-    const auto destination = [&](int64_t slot) {
-      return in_pool(slot) ? static_cast<O*>(p.ht) + slot * slot_elements + head_origin : nullptr;
-    };
-    // Column j of the thread's own: [K, V] states tc kVec + j, [V, K] states tc + kThreadsC j.
-    const auto column = [&](int j) { return v0 + (VFirst ? own.tc + kThreadsC * j : own.tc * kVec + j); };
-    const bool writes_o = own.tk == 0;  // one thread of each column writes its output
-
-    const bool gate_lower_bound = flags & kGateLowerBound;
-    const float gate_mul = (gate_lower_bound && (flags & kHasALog)) ? expf(p.A_log[i_hv]) : 1.f;
-    const float bias = (gate_lower_bound && (flags & kHasDtBias)) ? p.dt_bias[i_hv * kHeadDim + tid] : 0.f;
-    const float lower_bound = static_cast<float>(p.lower_bound), scale = static_cast<float>(p.scale);
-    const float beta_scale = static_cast<float>(p.beta_scale);
-    const bool store_ht = mode != 2 && (flags & kStoreHt);
-    bool staged = false;
-    for (int64_t t = bos; t < eos; ++t) {
-      // Prologue: thread tid holds K index tid of q, k and the decay.
-      const int64_t row = t * HV + i_hv;
-      const TokenInputs in = t == bos ? first_inputs : load_token(t);
-      const float qv = in.value(in.q, false), kv = in.value(in.k, false);
-      float gv = in.value(in.g, flags & kGFloat32), beta = in.value(in.beta, flags & kBetaFloat32);
-      if (gate_lower_bound) gv = sigmoid_scaled(lower_bound, gate_mul * (gv + bias));
-      if (flags & kBetaSigmoid) beta = sigmoid_scaled(beta_scale, beta);
-      float vc[kColumns];
-      if constexpr (VFirst) {
+    // Pass 1: (S d).k and (S d).q of each owned column, over the thread's K indices, then
+    // over the threads that share the column.
+    float dot_k[kColumns] = {}, dot_q[kColumns] = {};
+    if constexpr (VFirst) {
+      float2 dkq[kVec];  // (d k, d q) of the thread's K indices
 #pragma unroll
-        for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(p.v[row * kHeadDim + column(j)]);
-      } else {  // the thread's columns are adjacent: one 16- or 8-byte load (v is 16-byte aligned: kda.cuda.misaligned)
-        const auto raw = *reinterpret_cast<const BfloatRun<kColumns>*>(p.v + row * kHeadDim + column(0));
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) vc[j] = __bfloat162float(raw.x[j]);
-      }
-      const int64_t to = mode == 2 ? load_index(p.indices, n * cols + (t - bos), idx64) : 0;
-      float sums[3] = {qv * qv, kv * kv, qv * kv};
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2)
-        for (int j = 0; j < 3; ++j) sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], offset);
-      if (lane == 0)
-        for (int j = 0; j < 3; ++j) s_sums[warp][j] = sums[j];
-      const float d = exp2_approx(gv * kLog2e);  // g = -inf: exactly 0 (a hard reset)
-      s_vec[tid] = make_float4(d, kv, d * kv, d * qv);
-      if (!staged) {
-        wait_staged();
-        staged = true;
-#if KDA_DECODE_TRACE
-        trace_c[1] = clock64() - trace_c0;
-#endif
-      }
-      __syncthreads();
-      float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        qq += s_sums[w][0];
-        kk += s_sums[w][1];
-        qk += s_sums[w][2];
-      }
-      float rq = 1.f, rk = 1.f;
-      if (flags & kL2norm) {
-        rq = rsqrtf(qq + kL2normEps);
-        rk = rsqrtf(kk + kL2normEps);
-      }
-
-      // Pass 1: (S d).k and (S d).q of each owned column, over the thread's K indices, then
-      // over the threads that share the column.
-      float dot_k[kColumns] = {}, dot_q[kColumns] = {};
-      if constexpr (VFirst) {
-        float2 dkq[kVec];  // (d k, d q) of the thread's K indices
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
-#pragma unroll
-        for (int r = 0; r < kRuns; ++r) {
-          float x[kVec];
-          R::unpack(run(r), x);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            dot_k[r] = fmaf(x[e], dkq[e].x, dot_k[r]);
-            dot_q[r] = fmaf(x[e], dkq[e].y, dot_q[r]);
-          }
-        }
-#pragma unroll
-        for (int offset = 1; offset < kThreadsK; offset *= 2)  // the column's threads: lanes tk of one warp
-          for (int j = 0; j < kColumns; ++j) {
-            dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
-            dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
-          }
-      } else {
-#pragma unroll
-        for (int r = 0; r < kRuns; ++r) {
-          const float4 vec = s_vec[own.tk + kThreadsK * r];
-          float x[kVec];
-          R::unpack(run(r), x);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
-            dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
-          }
-        }
-#pragma unroll
-        for (int offset = kThreadsC; offset < 32; offset *= 2)  // the column's threads in this warp
-          for (int j = 0; j < kColumns; ++j) {
-            dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
-            dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
-          }
-        if (lane < kThreadsC)  // then over the warps
-          for (int j = 0; j < kColumns; ++j) {
-            s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
-            s_partial[warp][1][own.tc * kVec + j] = dot_q[j];
-          }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) {
-          dot_k[j] = s_partial[0][0][own.tc * kVec + j];
-          dot_q[j] = s_partial[0][1][own.tc * kVec + j];
-#pragma unroll
-          for (int w = 1; w < kDecodeWarps; ++w) {
-            dot_k[j] += s_partial[w][0][own.tc * kVec + j];
-            dot_q[j] += s_partial[w][1][own.tc * kVec + j];
-          }
-        }
-      }
-#if KDA_DECODE_TRACE
-      trace_c[2] = clock64() - trace_c0;
-#endif
-      // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
-      // and the new state S d + k^ u^T = S d + k (rk u)^T.
-      float u_k[kColumns];
-      BfloatRun<kColumns> o_run;  // [K, V] states: the thread's outputs, adjacent, stored at once
-#pragma unroll
-      for (int j = 0; j < kColumns; ++j) {
-        const float u = beta * (vc[j] - dot_k[j] * rk);
-        const __nv_bfloat16 o_j = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
-        if constexpr (VFirst) {
-          if (writes_o) p.o[row * kHeadDim + column(j)] = o_j;
-        } else {
-          o_run.x[j] = o_j;
-        }
-        u_k[j] = u * rk;
-      }
-      if constexpr (!VFirst)
-        if (writes_o) *reinterpret_cast<BfloatRun<kColumns>*>(p.o + row * kHeadDim + column(0)) = o_run;
-
-      // Pass 2: the new state, back into shared memory for the next token, and to memory where
-      // this token's state is stored (every token's with 2-D indices, else the last one's).
-      const bool last = t + 1 == eos;
-      O* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+      for (int e = 0; e < kVec; ++e) dkq[e] = reinterpret_cast<const float2*>(&s_vec[own.tk * kVec + e])[1];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         float x[kVec];
         R::unpack(run(r), x);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          // (d, k) of the element's K index
-          const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
-          x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
+          dot_k[r] = fmaf(x[e], dkq[e].x, dot_k[r]);
+          dot_q[r] = fmaf(x[e], dkq[e].y, dot_q[r]);
         }
-        if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = R::pack(x);
-        if (dst != nullptr) store_run<E>(dst + own.offset(r, v0), x);
       }
-      if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
-    }
-    // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
-    // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
-    // Either way the staging copy is waited for: no CTA leaves with a bulk copy still writing
-    // into its shared memory (the token loop waits at its first token).
-#if KDA_DECODE_TRACE
-    trace_c[3] = clock64() - trace_c0;
-    const int64_t trace_ns1 = global_ns();
-    __syncthreads();
-    if (tid == 0 && bos < eos) {
-      uint32_t sm;
-      asm("mov.u32 %0, %%smid;" : "=r"(sm));
-      int64_t* at = reinterpret_cast<int64_t*>(p.o + (bos * HV + i_hv) * kHeadDim);
-      at[0] = trace_ns0;
-      at[1] = trace_ns1;
-      for (int i = 0; i < 4; ++i) at[2 + i] = trace_c[i];
-      at[6] = sm;
-      at[7] = i_v;
-    }
-#endif
-    if (bos == eos) wait_staged();
-    if (bos == eos && store_ht && p.h0 != p.ht) {
-      O* dst = destination(first);
-      if (dst != nullptr)
-#pragma unroll 1
-        for (int r = 0; r < kRuns; ++r) {
-          if constexpr (std::is_same_v<E, O>) {  // the bits as read
-            *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
-          } else {
-            float x[kVec];
-            R::unpack(run(r), x);
-            store_run<E>(dst + own.offset(r, v0), x);
-          }
+#pragma unroll
+      for (int offset = 1; offset < kThreadsK; offset *= 2)  // the column's threads: lanes tk of one warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
         }
-    }
-    if (read) parity ^= 1;
-    if (later < items) {
-      // Every thread is done with the tile, s_vec and s_sums before the next item's copy and
-      // prologue write them; its generic accesses to the tile ordered before the copy's (the
-      // async proxy's) writes; the next slot landed before any thread reads it.
-      if (mode == 1 && tid == 0) cute::cp_async_wait<0>();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    } else {
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+        const float4 vec = s_vec[own.tk + kThreadsK * r];
+        float x[kVec];
+        R::unpack(run(r), x);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          dot_k[e] = fmaf(x[e], vec.z, dot_k[e]);
+          dot_q[e] = fmaf(x[e], vec.w, dot_q[e]);
+        }
+      }
+#pragma unroll
+      for (int offset = kThreadsC; offset < 32; offset *= 2)  // the column's threads in this warp
+        for (int j = 0; j < kColumns; ++j) {
+          dot_k[j] += __shfl_xor_sync(0xffffffffu, dot_k[j], offset);
+          dot_q[j] += __shfl_xor_sync(0xffffffffu, dot_q[j], offset);
+        }
+      if (lane < kThreadsC)  // then over the warps
+        for (int j = 0; j < kColumns; ++j) {
+          s_partial[warp][0][own.tc * kVec + j] = dot_k[j];
+          s_partial[warp][1][own.tc * kVec + j] = dot_q[j];
+        }
       __syncthreads();
-      parity ^= 2;
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) {
+        dot_k[j] = s_partial[0][0][own.tc * kVec + j];
+        dot_q[j] = s_partial[0][1][own.tc * kVec + j];
+#pragma unroll
+        for (int w = 1; w < kDecodeWarps; ++w) {
+          dot_k[j] += s_partial[w][0][own.tc * kVec + j];
+          dot_q[j] += s_partial[w][1][own.tc * kVec + j];
+        }
+      }
     }
-  }  // items
+#if KDA_DECODE_TRACE
+    trace_c[2] = clock64() - trace_c0;
+#endif
+    // With k^ = rk k and q^ = rq q: u = beta (v - (S d)^T k^), o = scale ((S d)^T q^ + u k^.q^),
+    // and the new state S d + k^ u^T = S d + k (rk u)^T.
+    float u_k[kColumns];
+    BfloatRun<kColumns> o_run;  // [K, V] states: the thread's outputs, adjacent, stored at once
+#pragma unroll
+    for (int j = 0; j < kColumns; ++j) {
+      const float u = beta * (vc[j] - dot_k[j] * rk);
+      const __nv_bfloat16 o_j = __float2bfloat16_rn(scale * (dot_q[j] * rq + u * (qk * rq * rk)));
+      if constexpr (VFirst) {
+        if (writes_o) p.o[row * kHeadDim + column(j)] = o_j;
+      } else {
+        o_run.x[j] = o_j;
+      }
+      u_k[j] = u * rk;
+    }
+    if constexpr (!VFirst)
+      if (writes_o) *reinterpret_cast<BfloatRun<kColumns>*>(p.o + row * kHeadDim + column(0)) = o_run;
+
+    // Pass 2: the new state, back into shared memory for the next token, and to memory where
+    // this token's state is stored (every token's with 2-D indices, else the last one's).
+    const bool last = t + 1 == eos;
+    O* dst = destination(mode == 2 ? to : store_ht && last ? first : -1);
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r) {
+      float x[kVec];
+      R::unpack(run(r), x);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // (d, k) of the element's K index
+        const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
+        x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
+      }
+      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = R::pack(x);
+      if (dst != nullptr) store_run<E>(dst + own.offset(r, v0), x);
+    }
+    if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
+  }
+  // No tokens: the state passes through to a new final state; a pool slot (h0 == ht) keeps its
+  // state unwritten, so a slot shared with a sequence that has tokens is that sequence's alone.
+  // Either way the staging copy is waited for: no CTA leaves with a bulk copy still writing
+  // into its shared memory (the token loop waits at its first token).
+#if KDA_DECODE_TRACE
+  trace_c[3] = clock64() - trace_c0;
+  const int64_t trace_ns1 = global_ns();
+  __syncthreads();
+  if (tid == 0 && bos < eos) {
+    uint32_t sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    int64_t* at = reinterpret_cast<int64_t*>(p.o + (bos * HV + i_hv) * kHeadDim);
+    at[0] = trace_ns0;
+    at[1] = trace_ns1;
+    for (int i = 0; i < 4; ++i) at[2 + i] = trace_c[i];
+    at[6] = sm;
+    at[7] = i_v;
+  }
+#endif
+  if (bos == eos) wait_staged();
+  if (bos == eos && store_ht && p.h0 != p.ht) {
+    O* dst = destination(first);
+    if (dst != nullptr)
+#pragma unroll 1
+      for (int r = 0; r < kRuns; ++r) {
+        if constexpr (std::is_same_v<E, O>) {  // the bits as read
+          *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
+        } else {
+          float x[kVec];
+          R::unpack(run(r), x);
+          store_run<E>(dst + own.offset(r, v0), x);
+        }
+      }
+  }
 }
 
 }  // namespace

@@ -107,21 +107,10 @@ def auto_refusal(p: Problem) -> str | None:
     return None
 
 
-def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode(p: Problem, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``p`` (accepted by :func:`decode_rejects` and the CUDA backend) in one launch:
     ``(o, final state)``, a pool updated in place. ``columns``: V columns a CTA (one of
-    abi.DECODE_COLUMNS; benchmarks compare them). ``ctas``: at most this many CTAs, each
-    running the items (sequence, value head, V slice) ``ctas`` apart, with each item's slot
-    index loaded during the one before (default: one CTA an item; benchmarks compare them)."""
-    dtype = STATE_DTYPES[state_dtype(p)]
-    columns = columns or DEFAULT_COLUMNS[dtype]
-    if columns not in abi.DECODE_COLUMNS:
-        raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
-    items = cdiv(p.V, columns) * p.N * p.HV
-    if ctas is not None and ctas < 1:
-        raise ValueError(f"ctas must be a positive number of CTAs, got {ctas}")
-    if items >= 2**31:  # decode.cu places an item by 32-bit divisions
-        raise ValueError(f"{items} (sequence, value head, V slice) items: the decode kernel takes under 2^31")
+    abi.DECODE_COLUMNS; benchmarks compare them)."""
     kernels, device_index, stream, _ = _launch_context(p)
     o = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.q.dtype, device=p.q.device)
     h0, ht = state_tensors(p)
@@ -129,6 +118,10 @@ def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> t
         ht = torch.empty(p.state_shape, dtype=p.final_state_dtype, device=p.q.device)
     if p.N * p.HV == 0:
         return o, ht
+    dtype = STATE_DTYPES[state_dtype(p)]
+    columns = columns or DEFAULT_COLUMNS[dtype]
+    if columns not in abi.DECODE_COLUMNS:
+        raise ValueError(f"columns must be one of {abi.DECODE_COLUMNS}, got {columns}")
     idx = p.state_indices
     mode = 0 if idx is None else idx.dim()
     bits = input_flags(p)
@@ -156,6 +149,6 @@ def decode(p: Problem, columns: int | None = None, ctas: int | None = None) -> t
     with on_device(device_index), kernels.lock:
         kernels.bind_context(device_index)
         kernels.set_decode_params(params)
-        kernels.launch(name, (min(items, ctas or items), 1), abi.DECODE_THREADS, 0, stream, "decode")
+        kernels.launch(name, (cdiv(p.V, columns) * p.N * p.HV, 1), abi.DECODE_THREADS, 0, stream, "decode")
     note("cuda:pooled_decode" if p.pool is not None else "cuda:decode")
     return o, ht
