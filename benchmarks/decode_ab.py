@@ -45,7 +45,8 @@ if os.environ.get("DECODE_AB_WIDTHS"):  # e.g. "bfloat16:128 float32:64": only t
 
 out = {"label": label, "kernels": os.environ.get("KDA_CUDA_KERNELS_DIR"), "ms": {}, "err": {}}
 for state_dtype in WIDTHS:
-    for mode in ("plain", "pool"):
+    # (plain_f32: a bf16 state written back in float32, the _to_f32 entries, 2026-12-07)
+    for mode in ("plain", "pool") if state_dtype == torch.float32 else ("plain", "plain_f32", "pool"):
         for columns in WIDTHS[state_dtype]:
             name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"
             # accuracy against Triton on the smallest size; the pool's own state is the output

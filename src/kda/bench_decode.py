@@ -179,16 +179,16 @@ def sweep(N: int) -> dict:
 
 def decode_problem(N: int, state_dtype, mode: str):
     """The CUDA decode kernel's problem on :func:`decode_inputs`: a plain call (``initial_state``
-    -> a new final state in ``state_dtype``) or a pool updated in place (``mode``), fresh each call."""
+    -> a new final state in ``state_dtype``; "plain_f32": in float32) or a pool updated in place
+    (``mode``), fresh each call."""
     import kda
     from kda.api import checked_problem
     from kda.validation import check_pool
 
     t, kw = decode_inputs(N, state_dtype=state_dtype)
-    if mode == "plain":
-        return checked_problem(
-            kda.fused_recurrent_kda, *t, **kw, output_final_state=True, final_state_dtype=state_dtype
-        )
+    if mode.startswith("plain"):
+        final = torch.float32 if mode == "plain_f32" else state_dtype
+        return checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True, final_state_dtype=final)
     kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
     return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
 
@@ -201,7 +201,7 @@ def cuda_sweep(N: int) -> dict:
 
     out = {}
     for state_dtype in (torch.float32, torch.bfloat16):
-        for mode in ("plain", "pool"):
+        for mode in ("plain", "pool") if state_dtype == torch.float32 else ("plain", "plain_f32", "pool"):
             p = decode_problem(N, state_dtype, mode)
             for columns in abi.DECODE_COLUMNS:
                 name = f"{str(state_dtype).removeprefix('torch.')}-{mode}-c{columns}"

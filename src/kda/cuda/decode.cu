@@ -53,12 +53,14 @@ __device__ __forceinline__ int64_t load_index(const void* base, int64_t i, bool 
   return is_int64 ? static_cast<const int64_t*>(base)[i] : static_cast<int64_t>(static_cast<const int32_t*>(base)[i]);
 }
 
-// 16 bytes of state <-> their values in float32.
-template <typename E>
+// A run of state values (16 bytes; 8 of bf16 for a bf16 state written back in float32, below)
+// <-> their values in float32.
+template <typename E, int Vec = 16 / sizeof(E)>
 struct Run;
 template <>
-struct Run<float> {
+struct Run<float, 4> {
   static constexpr int kVec = 4;
+  using Raw = uint4;
   __device__ static void unpack(const uint4& raw, float (&x)[kVec]) {
     x[0] = __uint_as_float(raw.x);
     x[1] = __uint_as_float(raw.y);
@@ -70,8 +72,9 @@ struct Run<float> {
   }
 };
 template <>
-struct Run<__nv_bfloat16> {
+struct Run<__nv_bfloat16, 8> {
   static constexpr int kVec = 8;
+  using Raw = uint4;
   __device__ static void unpack(const uint4& raw, float (&x)[kVec]) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -84,6 +87,28 @@ struct Run<__nv_bfloat16> {
     return make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
   }
 };
+template <>
+struct Run<__nv_bfloat16, 4> {
+  static constexpr int kVec = 4;
+  using Raw = uint2;
+  __device__ static void unpack(const uint2& raw, float (&x)[kVec]) {
+    x[0] = __uint_as_float(raw.x << 16);
+    x[1] = __uint_as_float(raw.x & 0xffff0000u);
+    x[2] = __uint_as_float(raw.y << 16);
+    x[3] = __uint_as_float(raw.y & 0xffff0000u);
+  }
+  __device__ static uint2 pack(const float (&x)[kVec]) { return make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3])); }
+};
+
+// The run a thread reads and writes: 16 bytes of the state, but for a bf16 [K, V] state written
+// back in float32, 8 bytes, so that its float32 write is one 16-byte store a thread and a
+// warp's stores are contiguous (16-byte bf16 runs stored as two float32 halves 16 bytes apart,
+// each store instruction writing every other 16 bytes of a warp's span, ran at 0.87 of the
+// copy bandwidth at N=256 on an H100 against the bf16 write-back's 0.94: run 205, 2026-12-07).
+template <typename E, typename O, bool VFirst>
+constexpr int run_vec() {
+  return !VFirst && !std::is_same_v<E, O> ? 4 : Run<E>::kVec;
+}
 
 // N adjacent bf16 values (4 or 8: one 8- or 16-byte access).
 template <int N>
@@ -95,9 +120,9 @@ struct alignas(2 * N) BfloatRun {
 // contiguous in memory, at the same place in the shared copy of the slice (stored as in memory). [K, V] states: thread (tc fastest, tk) owns columns tc kVec .. + kVec
 // of rows tk + kThreadsK r; [V, K] states: thread (tk fastest, tc) owns K indices tk kVec ..
 // + kVec of columns tc + kThreadsC r. Either way a warp's runs of one r are adjacent in memory.
-template <typename E, bool VFirst, int BV>
+template <typename E, bool VFirst, int BV, int Vec>
 struct Ownership {
-  static constexpr int kVec = Run<E>::kVec;
+  static constexpr int kVec = Vec;
   static constexpr int kElements = kHeadDim * BV / kDecodeThreads;
   static constexpr int kRuns = kElements / kVec;
   static constexpr int kThreadsC = VFirst ? kDecodeThreads * kVec / kHeadDim : BV / kVec;
@@ -151,14 +176,17 @@ constexpr int decode_ctas_per_sm() {
   return ctas < most ? ctas : most;
 }
 
-// 16 bytes of state, as E, stored as O: one 16-byte store, or (a bf16 state written back in
-// float32: a plain call's default final state) the run's values as two float32 runs.
-template <typename E, typename O>
-__device__ __forceinline__ void store_run(O* dst, const float (&x)[Run<E>::kVec]) {
+// A run of state, as E, stored as O: one store, or (a bf16 state written back in float32: a
+// plain call's default final state) the run's values as float32 runs, one or two.
+template <typename E, typename O, int Vec>
+__device__ __forceinline__ void store_run(O* dst, const float (&x)[Vec]) {
   if constexpr (std::is_same_v<E, O>) {
-    *reinterpret_cast<uint4*>(dst) = Run<E>::pack(x);
+    *reinterpret_cast<typename Run<E, Vec>::Raw*>(dst) = Run<E, Vec>::pack(x);
+  } else if constexpr (Vec == Run<float>::kVec) {
+    static_assert(std::is_same_v<O, float>, "bf16 -> float32 only");
+    *reinterpret_cast<uint4*>(dst) = Run<float>::pack(x);
   } else {
-    static_assert(std::is_same_v<O, float> && Run<E>::kVec == 2 * Run<float>::kVec, "bf16 -> float32 only");
+    static_assert(std::is_same_v<O, float> && Vec == 2 * Run<float>::kVec, "bf16 -> float32 only");
     float lo[Run<float>::kVec], hi[Run<float>::kVec];
 #pragma unroll
     for (int e = 0; e < Run<float>::kVec; ++e) {
@@ -175,8 +203,10 @@ __device__ __forceinline__ void store_run(O* dst, const float (&x)[Run<E>::kVec]
 // which until 2026-12-07 sent every bf16 plain call to Triton's decode kernel).
 template <typename E, typename O, bool VFirst, int BV>
 __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
-  using Own = Ownership<E, VFirst, BV>;
-  using R = Run<E>;
+  constexpr int kRunVec = run_vec<E, O, VFirst>();
+  using Own = Ownership<E, VFirst, BV, kRunVec>;
+  using R = Run<E, kRunVec>;
+  using Raw = typename R::Raw;
   constexpr int kVec = Own::kVec, kRuns = Own::kRuns, kThreadsC = Own::kThreadsC, kThreadsK = Own::kThreadsK;
   constexpr int kColumns = VFirst ? kRuns : kVec;  // the columns a thread owns
   constexpr int kSlices = kHeadDim / BV;
@@ -309,7 +339,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
     }
   } else {
 #pragma unroll 1
-    for (int r = 0; r < kRuns; ++r) *reinterpret_cast<uint4*>(tile + own.shared(r)) = make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < kRuns; ++r) *reinterpret_cast<Raw*>(tile + own.shared(r)) = Raw{};
   }
 #if KDA_DECODE_TRACE
   trace_c[0] = clock64() - trace_c0;
@@ -319,7 +349,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
   const auto wait_staged = [&] {
     if (read) mbarrier_wait(staged_bar, 0);
   };
-  const auto run = [&](int r) { return *reinterpret_cast<const uint4*>(tile + own.shared(r)); };
+  const auto run = [&](int r) { return *reinterpret_cast<const Raw*>(tile + own.shared(r)); };
   const auto destination = [&](int64_t slot) {
     return in_pool(slot) ? static_cast<O*>(p.ht) + slot * slot_elements + head_origin : nullptr;
   };
@@ -474,7 +504,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
         const float2 dk = *reinterpret_cast<const float2*>(&s_vec[VFirst ? own.tk * kVec + e : own.tk + kThreadsK * r]);
         x[e] = fmaf(dk.y, u_k[VFirst ? r : e], x[e] * dk.x);
       }
-      if (!last) *reinterpret_cast<uint4*>(tile + own.shared(r)) = R::pack(x);
+      if (!last) *reinterpret_cast<Raw*>(tile + own.shared(r)) = R::pack(x);
       if (dst != nullptr) store_run<E>(dst + own.offset(r, v0), x);
     }
     if (!last) __syncthreads();  // every thread is done with s_vec and s_sums (uniform: t and eos are the CTA's)
@@ -505,7 +535,7 @@ __device__ __forceinline__ void decode_slice(const DecodeParams& p) {
 #pragma unroll 1
       for (int r = 0; r < kRuns; ++r) {
         if constexpr (std::is_same_v<E, O>) {  // the bits as read
-          *reinterpret_cast<uint4*>(dst + own.offset(r, v0)) = run(r);
+          *reinterpret_cast<Raw*>(dst + own.offset(r, v0)) = run(r);
         } else {
           float x[kVec];
           R::unpack(run(r), x);
