@@ -159,7 +159,8 @@ def test_gpu_auto_runs_large_decode_grids_on_cuda_and_the_rest_on_triton():
         o32, ht32 = kda.fused_recurrent_kda(*case.tensors(), **kw32)
     assert events[:2] == ["fused_recurrent_kda -> cuda", "cuda:decode"], events
     assert ht32.dtype == torch.float32
-    torch.testing.assert_close(o32, o, rtol=0, atol=0)
+    # (not bit for bit o's: that entry sums over K in 8-byte runs, 2026-12-07, run 206)
+    assert_close_fp64(o32, o_ref, O_BAR, "o beside a float32 final state")
     assert_close_fp64(ht32, ht_ref, STATE_BAR[torch.float32], "float32 final state from a bf16 state")
     for over, says in (
         (dict(B=pairs // 8, state=torch.float32), f"{pairs // 2} (sequence, head) pairs of float32 states"),
