@@ -104,7 +104,8 @@ struct Run<__nv_bfloat16, 4> {
 // back in float32, 8 bytes, so that its float32 write is one 16-byte store a thread and a
 // warp's stores are contiguous (16-byte bf16 runs stored as two float32 halves 16 bytes apart,
 // each store instruction writing every other 16 bytes of a warp's span, ran at 0.87 of the
-// copy bandwidth at N=256 on an H100 against the bf16 write-back's 0.94: run 205, 2026-12-07).
+// copy bandwidth at N=256 on an H100 against the bf16 write-back's 0.94: run 205, 2026-12-07;
+// in 8-byte runs N=32 0.0500 -> 0.0404 ms, N=256 0.3032 -> 0.2822, 0.94: run 206's A/B).
 template <typename E, typename O, bool VFirst>
 constexpr int run_vec() {
   return !VFirst && !std::is_same_v<E, O> ? 4 : Run<E>::kVec;
