@@ -97,7 +97,9 @@ struct Run<__nv_bfloat16, 4> {
     x[2] = __uint_as_float(raw.y << 16);
     x[3] = __uint_as_float(raw.y & 0xffff0000u);
   }
-  __device__ static uint2 pack(const float (&x)[kVec]) { return make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3])); }
+  __device__ static uint2 pack(const float (&x)[kVec]) {
+    return make_uint2(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]));
+  }
 };
 
 // The run a thread reads and writes: 16 bytes of the state, but for a bf16 [K, V] state written
