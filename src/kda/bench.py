@@ -143,6 +143,11 @@ def floor_bytes(case: dict) -> int:
     return T * H * (4 * D * 2 + (D + 1) * gate_bytes) + 2 * N * H * D * D * 4
 
 
+def floor_ms(nbytes: int, copy_tbps: float) -> float:
+    """Milliseconds to move ``nbytes`` at the measured copy bandwidth (a case's floor)."""
+    return nbytes / (copy_tbps * 1e12) * 1e3
+
+
 def measure_copy_tbps() -> float:
     x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
@@ -515,7 +520,7 @@ def main(args) -> int:
     clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)
-        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3}
+        row = {"case": case["name"], "floor_ms": floor_ms(floor_bytes(case), copy_tbps)}
         row["agreement"] = agreement(calls, tensors, kw)
         bad = disagreeing(row["agreement"])
         if bad:  # timed, but given no ratio: what was timed is wrong

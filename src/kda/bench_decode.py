@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import fla_own_kernels, report_header, unused_stem, write_report
+from kda.bench import fla_own_kernels, floor_ms, report_header, unused_stem, write_report
 from kda.clocks import ClockSampler
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
@@ -333,7 +333,7 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
                 # the bf16 plain rows, a third fewer bytes than fla (a review of the bench): its
                 # bf16 write-back is timed apart, below, beside its own floor.
                 written = torch.float32 if mode == "plain" else state_dtype
-                floor = state_bytes(N, state_dtype, written=written) / (copy_tbps * 1e12) * 1e3
+                floor = floor_ms(state_bytes(N, state_dtype, written=written), copy_tbps)
                 row = {"N": N, "state": str(state_dtype).removeprefix("torch."), "mode": mode, "floor_ms": floor}
                 # The same bytes as one copy of the states, replayed the same way: the floor at
                 # this size, launch and ramp included (the floor above is a 2 GB copy's rate)
@@ -351,7 +351,7 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
                     kw16 = {**kw, "final_state_dtype": torch.bfloat16}
                     row["kda_bf16_out_graph_ms"] = graph_ms(lambda: calls["kda"](t, kw16))
                     row["kda_bf16_out_bandwidth_fraction"] = (
-                        state_bytes(N, state_dtype) / (copy_tbps * 1e12) * 1e3 / row["kda_bf16_out_graph_ms"]
+                        floor_ms(state_bytes(N, state_dtype), copy_tbps) / row["kda_bf16_out_graph_ms"]
                     )
                 timed = [name for name in calls if spans[name]]
                 for name, clock in zip(timed, clocks.windows([spans[name][0] for name in timed])):

@@ -24,6 +24,7 @@ from kda.bench import (
     bar_groups,
     contenders,
     floor_bytes,
+    floor_ms,
     make_inputs,
     report_header,
     unused_stem,
@@ -158,7 +159,7 @@ def long_main(args) -> int:
     clocks = ClockSampler(torch.cuda.current_device())
     for case in cases:
         tensors, kw = make_inputs(case)
-        row = {"case": case["name"], "floor_ms": floor_bytes(case) / (copy_tbps * 1e12) * 1e3, "ms": {}, "clocks": {}}
+        row = {"case": case["name"], "floor_ms": floor_ms(floor_bytes(case), copy_tbps), "ms": {}, "clocks": {}}
         with torch.inference_mode():
             for name, call in calls.items():
                 t0 = time.time()
