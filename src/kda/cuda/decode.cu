@@ -185,19 +185,16 @@ template <typename E, typename O, int Vec>
 __device__ __forceinline__ void store_run(O* dst, const float (&x)[Vec]) {
   if constexpr (std::is_same_v<E, O>) {
     *reinterpret_cast<typename Run<E, Vec>::Raw*>(dst) = Run<E, Vec>::pack(x);
-  } else if constexpr (Vec == Run<float>::kVec) {
-    static_assert(std::is_same_v<O, float>, "bf16 -> float32 only");
-    *reinterpret_cast<uint4*>(dst) = Run<float>::pack(x);
   } else {
-    static_assert(std::is_same_v<O, float> && Vec == 2 * Run<float>::kVec, "bf16 -> float32 only");
-    float lo[Run<float>::kVec], hi[Run<float>::kVec];
+    constexpr int kOut = Run<float>::kVec;
+    static_assert(std::is_same_v<O, float> && Vec % kOut == 0, "bf16 -> float32 only");
 #pragma unroll
-    for (int e = 0; e < Run<float>::kVec; ++e) {
-      lo[e] = x[e];
-      hi[e] = x[Run<float>::kVec + e];
+    for (int h = 0; h < Vec / kOut; ++h) {
+      float part[kOut];
+#pragma unroll
+      for (int e = 0; e < kOut; ++e) part[e] = x[h * kOut + e];
+      reinterpret_cast<uint4*>(dst)[h] = Run<float>::pack(part);
     }
-    reinterpret_cast<uint4*>(dst)[0] = Run<float>::pack(lo);
-    reinterpret_cast<uint4*>(dst)[1] = Run<float>::pack(hi);
   }
 }
 
