@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call on an H200 (2026-12-07, from 13:53): the K1 candidates' A/B against the default
+# (k1_candidates_call.sh, one round, issue 13), then `kda bench --decode --quick` (issue 12's rows on
+# the H200 with 259ef12's bf16 -> float32 kernel beside fla), then the decode trace of a plain call
+# and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go).
+# Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace.
+set -uo pipefail
+export OUT=${OUT:-/tmp/out}
+CALL_SECONDS=${CALL_SECONDS:-585}
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "card: $card"
+if [[ $card != *H200* ]]; then
+  echo "this call is for an H200" >&2
+  exit 2
+fi
+K1_ROUNDS=1 K1_BUILDS="-all3 -aw" K1_FAR=0 AB_TIMEOUT=${K1_TIMEOUT:-230} OUT=$OUT/k1 \
+  timeout $((${K1_TIMEOUT:-230} + 20)) bash benchmarks/k1_candidates_call.sh 2>&1 | tail -25
+echo "== decode bench ($SECONDS s in)"
+DECODE_ARGS=--quick DECODE_TIMEOUT=170 timeout 185 bash benchmarks/gpu_session.sh decode 2>&1 \
+  | grep -v '^| [a-z0-9]* | [a-z_0-9]* | [0-9]* | [a-z_]* |' | tail -30
+left=$((CALL_SECONDS - SECONDS - 5))
+echo "== decode trace ($SECONDS s in, $left s left)"
+if ((left > 30)); then
+  source benchmarks/site_wheels.sh
+  PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels-trace timeout $left \
+    python3 benchmarks/decode_trace.py 256 > "$OUT/decode-trace.jsonl" 2>&1
+  tail -c 3000 "$OUT/decode-trace.jsonl"
+fi
