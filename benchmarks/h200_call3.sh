@@ -2,7 +2,8 @@
 # One device call on an H200 (2026-12-07, from 13:53): the K1 candidates' A/B against the default
 # (k1_candidates_call.sh, one round, issue 13), then `kda bench --decode --quick` (issue 12's rows on
 # the H200 with 259ef12's bf16 -> float32 kernel beside fla), then the decode trace of a plain call
-# and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go).
+# and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go), the
+# pool by slot order (pool_order.py 256) first.
 # Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
@@ -22,7 +23,11 @@ left=$((CALL_SECONDS - SECONDS - 5))
 echo "== decode trace ($SECONDS s in, $left s left)"
 if ((left > 30)); then
   source benchmarks/site_wheels.sh
+  PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout 90 python3 benchmarks/pool_order.py 256 3 \
+    > "$OUT/decode-trace.jsonl" 2>&1  # (one file with the trace's: 8 come back)
+  tail -c 1500 "$OUT/decode-trace.jsonl"
+  left=$((CALL_SECONDS - SECONDS - 5))
   PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels-trace timeout $left \
-    python3 benchmarks/decode_trace.py 256 > "$OUT/decode-trace.jsonl" 2>&1
+    python3 benchmarks/decode_trace.py 256 >> "$OUT/decode-trace.jsonl" 2>&1
   tail -c 3000 "$OUT/decode-trace.jsonl"
 fi
