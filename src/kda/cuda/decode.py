@@ -5,8 +5,8 @@ It takes what the CUDA chunk path takes (bf16 q, k, v; K = V = 128; the lower-bo
 precomputed g, read in bf16 or fp32) plus grouped value heads and state pools with 1-D or 2-D
 slot indices; the state in float32 or bfloat16, written back in its own dtype or, a bfloat16
 state of a plain call, in float32 (abi.DECODE_STATE_PAIRS; auto's thresholds for that form are
-the bfloat16 ones: on an H100, 2026-12-07, runs 205 and 206, it took 0.0404 ms at N=32, 1024
-pairs, where Triton's took 0.0450 in another process). The kernel keeps
+the bfloat16 ones: on an H100, 2026-12-07, run 207, it took 0.0405 ms at N=32, 1024 pairs,
+where Triton's took 0.0450 in the same process). The kernel keeps
 the state in its own dtype between a sequence's tokens, so a bfloat16 state is taken only
 where every sequence has one token (the Triton decode kernel carries it in float32 otherwise).
 ``backend="auto"`` takes it only where it measured faster than Triton's: grids of many
