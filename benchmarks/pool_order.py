@@ -11,8 +11,7 @@ import sys
 
 import torch
 
-from kda.api import checked_problem
-from kda.bench_decode import decode_inputs, graph_ms, state_bytes
+from kda.bench_decode import SLOT_ORDERS, decode_problem, graph_ms, state_bytes
 from kda.cuda.decode import decode
 from kda.validation import check_pool
 
@@ -21,25 +20,14 @@ ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 
 
 def problem(order: str):
-    import kda
-
-    t, kw = decode_inputs(N, state_dtype=torch.bfloat16)
-    if order == "plain":
-        return checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True,
-                               final_state_dtype=torch.bfloat16)  # fmt: skip
-    pool = kw.pop("initial_state")
-    slots = {
-        "reversed": torch.arange(N - 1, -1, -1),
-        "ascending": torch.arange(N),
-        "random": torch.randperm(N, generator=torch.Generator().manual_seed(0)),
-        "spread": 2 * torch.arange(N),
-    }[order]
-    if order == "spread":
-        pool = torch.cat([pool, pool]).contiguous()
-    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw), pool, slots.to("cuda", torch.int32), None)
+    if order != "spread":
+        return decode_problem(N, torch.bfloat16, "plain" if order == "plain" else f"pool_{order}")
+    # (slot 2n of a pool of 2N: the bench has no such order)
+    p = decode_problem(N, torch.bfloat16, "pool_ascending")
+    return check_pool(p, torch.cat([p.pool, p.pool]).contiguous(), 2 * p.state_indices, None)
 
 
-orders = ("plain", "reversed", "ascending", "random", "spread")
+orders = ("plain", *SLOT_ORDERS, "spread")
 problems = {name: problem(name) for name in orders}
 times = {name: [] for name in orders}
 for _ in range(ROUNDS):

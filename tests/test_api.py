@@ -394,6 +394,14 @@ def test_bench_checks_what_it_times_and_keeps_every_run(tmp_path):
     per_state = 32 * 128 * 128
     assert bench_decode.state_bytes(1, torch.bfloat16) == per_state * 4
     assert bench_decode.state_bytes(1, torch.bfloat16, written=torch.float32) == per_state * 6
+    slots = {order: bench_decode.kw_indices(64, order, device="cpu") for order in bench_decode.SLOT_ORDERS}
+    for order, x in slots.items():  # each a permutation of the pool's 64 slots, as int32
+        assert x.dtype == torch.int32 and sorted(x.tolist()) == list(range(64)), (order, x)
+    assert slots["reversed"].tolist() == list(range(63, -1, -1)) and slots["ascending"].tolist() == list(range(64))
+    assert slots["random"].tolist() not in (slots["reversed"].tolist(), slots["ascending"].tolist())
+    assert set(bench_decode.POOL_MODES.values()) <= set(bench_decode.SLOT_ORDERS)
+    with pytest.raises(ValueError, match="order must be one of"):
+        bench_decode.kw_indices(4, "shuffled", device="cpu")
     assert set(bench.build_record()) == {"commit", "changed_files", "kernels", "kernels_stamp", "settings"}
 
 

@@ -1,7 +1,8 @@
 """``kda bench --decode``: decode steps (issue 12's cases) beside fla's ``fused_recurrent_kda``,
 same inputs, same process: CUDA-graph replay and eager, float32 and bfloat16 states, a plain
 call (``initial_state`` -> a new float32 final state, fla's only kind; kda's bfloat16
-write-back timed apart) and a state pool updated in place, each with its
+write-back timed apart) and a state pool updated in place (slots in reverse order, and in a random
+one), each with its
 floor (state bytes read and written over the measured copy bandwidth); the decode kernel's
 launch shapes swept; where chunk_kda should switch from its chunk stages to the decode
 kernel; the accuracy of both against the float64 token loop.
@@ -97,17 +98,19 @@ def eager_ms(fn) -> float:
 
 
 def contenders(mode: str) -> dict:
-    """name -> callable(tensors, kw) for a plain call or a pool (``mode``)."""
+    """name -> callable(tensors, kw) for a plain call or a pool (``mode``: "plain", or a key of
+    POOL_MODES)."""
     import kda
 
-    pool = mode == "pool"
+    pool = mode in POOL_MODES
+    order = POOL_MODES.get(mode)
 
     def kda_call(t, kw, backend="auto"):
         with torch.inference_mode():  # as fla's, below: every contender in one grad mode
             if pool:
                 N = t[0].shape[0]
-                return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N),
-                                               backend=backend)  # fmt: skip
+                return kda.fused_recurrent_kda(*t, **kw, inplace_final_state=True,
+                                               ssm_state_indices=kw_indices(N, order), backend=backend)  # fmt: skip
             return kda.fused_recurrent_kda(*t, **kw, output_final_state=True, backend=backend)
 
     calls = {"kda": kda_call}  # auto: the CUDA decode kernel where built, else Triton's
@@ -122,21 +125,36 @@ def contenders(mode: str) -> dict:
             with torch.inference_mode():
                 if pool:
                     N = t[0].shape[0]
-                    return fla_pooled(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N))
+                    return fla_pooled(*t, **kw, inplace_final_state=True, ssm_state_indices=kw_indices(N, order))
                 return fla_decode(*t, **kw, output_final_state=True)
 
         calls["fla"] = fla_call
     return calls
 
 
-_INDICES: dict[int, torch.Tensor] = {}
+# A pool's slot order by bench mode: sequence n in slot N - 1 - n ("reversed": the slots are not
+# in sequence order, but a CTA's neighbours still read neighbouring slots), or a fixed random
+# permutation of the N slots, as a serving engine's pool holds requests that came and went. On an
+# H100 (2026-12-07, run 208, benchmarks/pool_order.py, bf16 whole heads at N=256) random slots took
+# 0.1945 ms against 0.1907 reversed; fla was not timed with them until this row.
+POOL_MODES = {"pool": "reversed", "pool_random": "random"}
+SLOT_ORDERS = ("reversed", "ascending", "random")
+_INDICES: dict[tuple[int, str, str], torch.Tensor] = {}
 
 
-def kw_indices(N: int) -> torch.Tensor:
-    """Slot n for sequence n, reversed (a pool's slots are not in sequence order), int32."""
-    if N not in _INDICES:
-        _INDICES[N] = torch.arange(N - 1, -1, -1, dtype=torch.int32, device="cuda")
-    return _INDICES[N]
+def kw_indices(N: int, order: str = "reversed", device: str = "cuda") -> torch.Tensor:
+    """The N sequences' int32 slots in a pool of N, in one of SLOT_ORDERS (made once, reused)."""
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"order must be one of {SLOT_ORDERS}, got {order!r}")
+    key = (N, order, device)
+    if key not in _INDICES:
+        slots = {
+            "reversed": lambda: torch.arange(N - 1, -1, -1),
+            "ascending": lambda: torch.arange(N),
+            "random": lambda: torch.randperm(N, generator=torch.Generator().manual_seed(0)),
+        }[order]()
+        _INDICES[key] = slots.to(device, torch.int32)
+    return _INDICES[key]
 
 
 def accuracy(calls: dict, N: int = 32) -> dict:
@@ -180,7 +198,7 @@ def sweep(N: int) -> dict:
 def decode_problem(N: int, state_dtype, mode: str):
     """The CUDA decode kernel's problem on :func:`decode_inputs`: a plain call (``initial_state``
     -> a new final state in ``state_dtype``; "plain_f32": in float32) or a pool updated in place
-    (``mode``), fresh each call."""
+    (``mode`` a key of POOL_MODES, or "pool_" and one of SLOT_ORDERS), fresh each call."""
     import kda
     from kda.api import checked_problem
     from kda.validation import check_pool
@@ -190,7 +208,9 @@ def decode_problem(N: int, state_dtype, mode: str):
         final = torch.float32 if mode == "plain_f32" else state_dtype
         return checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True, final_state_dtype=final)
     kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
-    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], kw_indices(N), None)
+    order = POOL_MODES.get(mode) or mode.removeprefix("pool_")
+    slots = kw_indices(N, order)
+    return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], slots, None)
 
 
 def cuda_sweep(N: int) -> dict:
@@ -324,7 +344,7 @@ def decode_cases(report: dict, clocks: ClockSampler, copy_tbps: float, path: Pat
     import kda
 
     for state_dtype in (torch.float32, torch.bfloat16):
-        for mode in ("plain", "pool"):
+        for mode in ("plain", *POOL_MODES):
             calls = contenders(mode)
             for N in DECODE_SEQUENCES:
                 t, kw = decode_inputs(N, state_dtype=state_dtype)
