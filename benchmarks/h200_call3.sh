@@ -4,7 +4,8 @@
 # (k1_candidates_call.sh, one round, issue 13) in the time left (an A/B cut short still says what it
 # timed), then, if time is left, the pool by slot order (pool_order.py 256) and the decode trace of a
 # plain call and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go).
-# Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace.
+# Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace. (The decode step 200 s since 58c371a added
+# the random-slot pool rows.)
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
 CALL_SECONDS=${CALL_SECONDS:-585}
@@ -14,7 +15,7 @@ if [[ $card != *H200* ]]; then
   echo "this call is for an H200" >&2
   exit 2
 fi
-DECODE_ARGS=--quick DECODE_TIMEOUT=170 timeout 185 bash benchmarks/gpu_session.sh decode 2>&1 \
+DECODE_ARGS=--quick DECODE_TIMEOUT=200 timeout 215 bash benchmarks/gpu_session.sh decode 2>&1 \
   | grep -v '^| [a-z0-9]* | [a-z_0-9]* | [0-9]* | [a-z_]* |' | tail -30
 k1=$((CALL_SECONDS - SECONDS - 10))
 k1=$((k1 > ${K1_TIMEOUT:-230} ? ${K1_TIMEOUT:-230} : k1))
