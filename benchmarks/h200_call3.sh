@@ -31,6 +31,11 @@ if ((left > 30)); then
     > "$OUT/decode-trace.jsonl" 2>&1
   tail -c 1500 "$OUT/decode-trace.jsonl"
   left=$((CALL_SECONDS - SECONDS - 5))
+  # (a pure gather / scatter by the same slot orders beside the kernel: is the random order's cost
+  # the memory system's? 2026-12-07)
+  ((left > 20)) && PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout $left \
+    python3 benchmarks/slot_order_copy.py 256 3 >> "$OUT/decode-trace.jsonl" 2>&1
+  left=$((CALL_SECONDS - SECONDS - 5))
   ((left > 20)) && PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels-trace timeout $left \
     python3 benchmarks/decode_trace.py 256 >> "$OUT/decode-trace.jsonl" 2>&1
   tail -c 3000 "$OUT/decode-trace.jsonl"
