@@ -1,7 +1,8 @@
 """Where a decode CTA's time goes (a build with -DKDA_DECODE_TRACE=1, ``KDA_CUDA_KERNELS_DIR``):
 each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
 from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
-SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (plain call, pool) the medians,
+SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (``MODES``, default plain call and
+pool) the medians,
 the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail). Then, per mode,
 ``GRAPH_LAUNCHES`` launches captured in one graph and replayed: each launch's span and the gap from its
 last CTA's end to the next launch's first CTA's start, beside the replay's time a launch (run 63 had the
@@ -20,6 +21,8 @@ N = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 columns = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
 GRAPH_LAUNCHES = int(os.environ.get("GRAPH_LAUNCHES", "4"))
+# decode_problem's modes to trace (pool_random: the bench's random slots, 2026-12-07)
+MODES = os.environ.get("MODES", "plain pool").split()
 
 
 def q(x, f):
@@ -31,7 +34,7 @@ def trace_table(o):
     return o.view(torch.int64).reshape(-1, o.shape[-1] // 4)[:, :8].cpu()
 
 
-for mode in ("plain", "pool"):
+for mode in MODES:
     p = decode_problem(N, dtype, mode)
     ms = graph_ms(lambda: decode(p, columns))
     for _ in range(5):  # back-to-back launches, the last one read
@@ -62,7 +65,7 @@ for mode in ("plain", "pool"):
     print(json.dumps(out), flush=True)
 
 
-for mode in ("plain", "pool"):
+for mode in MODES:
     p = decode_problem(N, dtype, mode)
     outs = []
 
