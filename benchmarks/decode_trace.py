@@ -2,8 +2,7 @@
 each CTA writes, over its output row, its start and end (%globaltimer, ns), the clock64 cycles
 from its start to four points (staging issued, slice landed, pass 1 done, stores issued) and its
 SM. ``python benchmarks/decode_trace.py N [columns [state dtype]]``: per mode (``MODES``, default plain call and
-pool) the medians,
-the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail). Then, per mode,
+pool) the medians, the SM clock, and how many CTAs were live over the kernel's span (its ramp and tail). Then, per mode,
 ``GRAPH_LAUNCHES`` launches captured in one graph and replayed: each launch's span and the gap from its
 last CTA's end to the next launch's first CTA's start, beside the replay's time a launch (run 63 had the
 pool's graph replay 3 us a call longer than its CTAs' span, where the plain call's was not; 2026-12-07)."""
