@@ -2,7 +2,8 @@
 be the default; issue 13's bar: no worse than o 2.9e-3, state 2.4e-3). One process a build
 (``KDA_CUDA_KERNELS_DIR``): kda-cuda and fla on the anchors' accuracy cases (``bench.accuracy_rows``'
 lengths, H8) over several input seeds, on H96 and on the precomputed (far) gate, then relative RMS of
-o and the final state. ``python benchmarks/k1_accuracy.py [seeds]``; one JSON line."""
+o and the final state. ``python benchmarks/k1_accuracy.py [seeds]``; a JSON line a row, the summary, then one JSON
+line of every row. Not yet run to its end (2026-12-07)."""
 
 import json
 import sys
@@ -30,6 +31,8 @@ for case in ({"H": 8}, {"H": 96}, {"H": 8, "gate": "precomputed"}):
                 ran = [e for e in events if ":" in e][:3]
                 rows.append({"case": {"lens": lens, **case}, "seed": seed, "impl": name, "o": relative_rms(o, o_ref),
                              "final_state": relative_rms(h, h_ref), "ran": ran})  # fmt: skip
+                # (each row as it lands: run 212's two processes, cut at 95 s, left empty logs)
+                print(json.dumps(rows[-1]), flush=True)
 summary = {}
 for r in rows:
     key = f"{r['impl']} {r['case']}"
