@@ -399,9 +399,16 @@ def test_bench_checks_what_it_times_and_keeps_every_run(tmp_path):
         assert x.dtype == torch.int32 and sorted(x.tolist()) == list(range(64)), (order, x)
     assert slots["reversed"].tolist() == list(range(63, -1, -1)) and slots["ascending"].tolist() == list(range(64))
     assert slots["random"].tolist() not in (slots["reversed"].tolist(), slots["ascending"].tolist())
-    assert set(bench_decode.POOL_MODES.values()) <= set(bench_decode.SLOT_ORDERS)
     with pytest.raises(ValueError, match="order must be one of"):
         bench_decode.kw_indices(4, "shuffled", device="cpu")
+    # the bench's modes -> slot orders: plain calls none, every pool row one, a wrong name refused
+    # (a pool mode read as a plain call would time plain calls under a pool's label)
+    assert [bench_decode.slot_order(m) for m in bench_decode.PLAIN_MODES] == [None, None]
+    assert [bench_decode.slot_order(m) for m in bench_decode.POOL_MODES] == ["reversed", "random"]
+    assert bench_decode.slot_order("pool_ascending") == "ascending"
+    for bad in ("random", "pool_shuffled", "pools", "plain_bf16"):
+        with pytest.raises(ValueError, match="unknown decode mode"):
+            bench_decode.slot_order(bad)
     assert set(bench.build_record()) == {"commit", "changed_files", "kernels", "kernels_stamp", "settings"}
 
 

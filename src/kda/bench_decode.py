@@ -98,12 +98,11 @@ def eager_ms(fn) -> float:
 
 
 def contenders(mode: str) -> dict:
-    """name -> callable(tensors, kw) for a plain call or a pool (``mode``: "plain", or a key of
-    POOL_MODES)."""
+    """name -> callable(tensors, kw) for a plain call or a pool (``mode``: see :func:`slot_order`)."""
     import kda
 
-    pool = mode in POOL_MODES
-    order = POOL_MODES.get(mode)
+    order = slot_order(mode)
+    pool = order is not None
 
     def kda_call(t, kw, backend="auto"):
         with torch.inference_mode():  # as fla's, below: every contender in one grad mode
@@ -132,14 +131,26 @@ def contenders(mode: str) -> dict:
     return calls
 
 
-# A pool's slot order by bench mode: sequence n in slot N - 1 - n ("reversed": the slots are not
-# in sequence order, but a CTA's neighbours still read neighbouring slots), or a fixed random
-# permutation of the N slots, as a serving engine's pool holds requests that came and went. On an
+# The bench's pool rows: sequence n in slot N - 1 - n ("pool": the slots are not in sequence
+# order, but a CTA's neighbours still read neighbouring slots), and a fixed random permutation of
+# the N slots ("pool_random"), as a serving engine's pool holds requests that came and went. On an
 # H100 (2026-12-07, run 208, benchmarks/pool_order.py, bf16 whole heads at N=256) random slots took
 # 0.1945 ms against 0.1907 reversed; fla was not timed with them until this row.
-POOL_MODES = {"pool": "reversed", "pool_random": "random"}
+POOL_MODES = ("pool", "pool_random")
 SLOT_ORDERS = ("reversed", "ascending", "random")
+PLAIN_MODES = ("plain", "plain_f32")  # (decode_problem: the final state in the state's dtype, or float32)
 _INDICES: dict[tuple[int, str, str], torch.Tensor] = {}
+
+
+def slot_order(mode: str) -> str | None:
+    """A decode mode's slot order: None for a plain call (PLAIN_MODES), "reversed" for "pool", and
+    ORDER for "pool_ORDER" (ORDER one of SLOT_ORDERS); any other name is refused."""
+    if mode in PLAIN_MODES:
+        return None
+    order = "reversed" if mode == "pool" else mode.removeprefix("pool_") if mode.startswith("pool_") else None
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"unknown decode mode {mode!r}: one of {PLAIN_MODES}, 'pool' or 'pool_' + {SLOT_ORDERS}")
+    return order
 
 
 def kw_indices(N: int, order: str = "reversed", device: str = "cuda") -> torch.Tensor:
@@ -148,11 +159,10 @@ def kw_indices(N: int, order: str = "reversed", device: str = "cuda") -> torch.T
         raise ValueError(f"order must be one of {SLOT_ORDERS}, got {order!r}")
     key = (N, order, device)
     if key not in _INDICES:
-        slots = {
-            "reversed": lambda: torch.arange(N - 1, -1, -1),
-            "ascending": lambda: torch.arange(N),
-            "random": lambda: torch.randperm(N, generator=torch.Generator().manual_seed(0)),
-        }[order]()
+        if order == "random":
+            slots = torch.randperm(N, generator=torch.Generator().manual_seed(0))
+        else:
+            slots = torch.arange(N) if order == "ascending" else torch.arange(N - 1, -1, -1)
         _INDICES[key] = slots.to(device, torch.int32)
     return _INDICES[key]
 
@@ -198,17 +208,17 @@ def sweep(N: int) -> dict:
 def decode_problem(N: int, state_dtype, mode: str):
     """The CUDA decode kernel's problem on :func:`decode_inputs`: a plain call (``initial_state``
     -> a new final state in ``state_dtype``; "plain_f32": in float32) or a pool updated in place
-    (``mode`` a key of POOL_MODES, or "pool_" and one of SLOT_ORDERS), fresh each call."""
+    (``mode``, its slots by :func:`slot_order`), fresh each call."""
     import kda
     from kda.api import checked_problem
     from kda.validation import check_pool
 
+    order = slot_order(mode)
     t, kw = decode_inputs(N, state_dtype=state_dtype)
-    if mode.startswith("plain"):
+    if order is None:
         final = torch.float32 if mode == "plain_f32" else state_dtype
         return checked_problem(kda.fused_recurrent_kda, *t, **kw, output_final_state=True, final_state_dtype=final)
     kw_pool = {name: x for name, x in kw.items() if name != "initial_state"}
-    order = POOL_MODES.get(mode) or mode.removeprefix("pool_")
     slots = kw_indices(N, order)
     return check_pool(checked_problem(kda.fused_recurrent_kda, *t, **kw_pool), kw["initial_state"], slots, None)
 
