@@ -37,8 +37,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "bigmem: tensors past 2^31 elements, 20 to 60 GB of GPU memory (one at a time, by a file lock)"
     )
-    # pytest-timeout's (the device runs have it; without it the mark does nothing)
-    config.addinivalue_line("markers", "timeout(seconds): a test's own time limit under pytest-timeout")
 
 
 def pytest_collection_modifyitems(config, items):
