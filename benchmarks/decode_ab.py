@@ -53,7 +53,7 @@ for state_dtype in WIDTHS:
             p_cuda, p_ref = decode_problem(sizes[0], state_dtype, mode), decode_problem(sizes[0], state_dtype, mode)
             o, ht = decode(p_cuda, columns)
             o_ref, ht_ref = triton_decode(p_ref)
-            if mode == "pool":
+            if p_cuda.pool is not None:  # (any pool mode, bench_decode.slot_order)
                 ht, ht_ref = p_cuda.pool, p_ref.pool
             out["err"][name] = (relative_rms(o, o_ref), relative_rms(ht, ht_ref))
             for N in sizes:

@@ -1,7 +1,7 @@
 """One decode configuration, called a few times, for ncu (benchmarks/gpu_session.sh step
 ``decodeprof``): ``python benchmarks/decode_profile.py BACKEND STATE MODE N [COLUMNS [WARPS]]`` with
-BACKEND cuda or triton, STATE float32 or bfloat16, MODE plain or pool; the inputs of
-``kda bench --decode`` (kda.bench_decode.decode_inputs)."""
+BACKEND cuda or triton, STATE float32 or bfloat16, MODE a ``bench_decode.decode_problem`` mode (plain, plain_f32,
+pool, pool_random, ...); the inputs of ``kda bench --decode`` (kda.bench_decode.decode_inputs)."""
 
 import sys
 

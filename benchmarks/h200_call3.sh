@@ -2,8 +2,9 @@
 # One device call on an H200 (2026-12-07, from 13:53): `kda bench --decode --quick` (issue 12's rows on the
 # H200 with 259ef12's bf16 -> float32 kernel beside fla), then the K1 candidates' A/B against the default
 # (k1_candidates_call.sh, one round, issue 13) in the time left (an A/B cut short still says what it
-# timed), then, if time is left, the pool by slot order (pool_order.py 256) and the decode trace of a
-# plain call and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go).
+# timed), then, if time is left, the pool by slot order (pool_order.py 256), torch's gather and scatter of
+# the slots by the same orders (slot_order_copy.py 256) and the decode trace of a plain call and a pool
+# (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go). Run 210 ran it.
 # Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace. (The decode step 200 s since 58c371a added
 # the random-slot pool rows.)
 set -uo pipefail
