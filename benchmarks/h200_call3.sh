@@ -2,9 +2,10 @@
 # One device call on an H200 (2026-12-07, from 13:53): `kda bench --decode --quick` (issue 12's rows on the
 # H200 with 259ef12's bf16 -> float32 kernel beside fla), then the K1 candidates' A/B against the default
 # (k1_candidates_call.sh, one round, issue 13) in the time left (an A/B cut short still says what it
-# timed), then, if time is left, the pool by slot order (pool_order.py 256), torch's gather and scatter of
-# the slots by the same orders (slot_order_copy.py 256) and the decode trace of a plain call and a pool
-# (decode_trace.py 256, .kernels-trace: where the pool's 3 us outside its CTAs go). Run 210 ran it.
+# timed), then, if time is left, the pool by slot order with torch's gather and scatter of the slots by
+# the same orders (pool_order.py 256; run 210 ran the copies as slot_order_copy.py, 5c25335) and the
+# decode trace of a plain call and a pool (decode_trace.py 256, .kernels-trace: where the pool's 3 us
+# outside its CTAs go). Run 210 ran it.
 # Carries: .whl, .kernels, .kernels-all3, .kernels-aw, .kernels-trace. (The decode step 200 s since 58c371a added
 # the random-slot pool rows.)
 set -uo pipefail
@@ -31,11 +32,6 @@ if ((left > 30)); then
   PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout $left python3 benchmarks/pool_order.py 256 3 \
     > "$OUT/decode-trace.jsonl" 2>&1
   tail -c 1500 "$OUT/decode-trace.jsonl"
-  left=$((CALL_SECONDS - SECONDS - 5))
-  # (a pure gather / scatter by the same slot orders beside the kernel: is the random order's cost
-  # the memory system's? 2026-12-07)
-  ((left > 20)) && PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels timeout $left \
-    python3 benchmarks/slot_order_copy.py 256 3 >> "$OUT/decode-trace.jsonl" 2>&1
   left=$((CALL_SECONDS - SECONDS - 5))
   ((left > 20)) && PYTHONPATH=/tmp/site:$PWD/src KDA_CUDA_KERNELS_DIR=$PWD/.kernels-trace timeout $left \
     python3 benchmarks/decode_trace.py 256 >> "$OUT/decode-trace.jsonl" 2>&1

@@ -3,7 +3,10 @@ bench's pool maps sequence n to slot N - 1 - n (bench_decode.kw_indices), so a p
 state memory downwards where a plain call's walk it upwards; the pool trails the plain call by 3.6
 us at N=256 on the H200 (run 192), 3 us of it outside its CTAs' span (run 63). This times the CUDA
 kernel's graph replay per order in rounds, one process: plain, pool reversed (the bench's), pool
-ascending (slot n), pool random, pool ascending with N spare slots between (a pool twice N).
+ascending (slot n), pool random, pool ascending with N spare slots between (a pool twice N); then, by
+the same orders, torch's gather of the slots into a buffer (``index_select``) and its scatter back
+(``index_copy_``): is an order's cost the memory system's? (In run 210 slot_order_copy.py, 5c25335,
+timed these beside the kernel; folded in here on 2026-12-07.)
 ``python benchmarks/pool_order.py [N [rounds]]``; one JSON line."""
 
 import json
@@ -11,7 +14,7 @@ import sys
 
 import torch
 
-from kda.bench_decode import SLOT_ORDERS, decode_problem, graph_ms, state_bytes
+from kda.bench_decode import DECODE_HEADS, SLOT_ORDERS, D, decode_problem, graph_ms, kw_indices, state_bytes
 from kda.cuda.decode import decode
 from kda.validation import check_pool
 
@@ -27,12 +30,20 @@ def problem(order: str):
     return check_pool(p, torch.cat([p.pool, p.pool]).contiguous(), 2 * p.state_indices, None)
 
 
-orders = ("plain", *SLOT_ORDERS, "spread")
-problems = {name: problem(name) for name in orders}
-times = {name: [] for name in orders}
+calls = {}
+for order in ("plain", *SLOT_ORDERS, "spread"):
+    p = problem(order)
+    calls[order] = lambda p=p: decode(p, 128)
+pool = torch.randn(N, DECODE_HEADS, D, D, device="cuda").to(torch.bfloat16)  # the copies' own pool and buffer
+buf = torch.empty_like(pool)
+for order in SLOT_ORDERS:
+    idx = kw_indices(N, order).long()
+    calls[f"gather_{order}"] = lambda idx=idx: torch.index_select(pool, 0, idx, out=buf)
+    calls[f"scatter_{order}"] = lambda idx=idx: pool.index_copy_(0, idx, buf)
+times = {name: [] for name in calls}
 for _ in range(ROUNDS):
-    for name in orders:
-        times[name].append(graph_ms(lambda p=problems[name]: decode(p, 128)))
+    for name, fn in calls.items():
+        times[name].append(graph_ms(fn))
 gb = state_bytes(N, torch.bfloat16) / 1e9
 out = {
     "N": N,
