@@ -634,13 +634,17 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
 @pytest.mark.gpu
 @pytest.mark.skipif(not fla_available, reason="fla (flash-linear-attention) is not installed")
 @pytest.mark.parametrize("lens", [[1024], [512, 300, 777]])
-def test_gpu_bf16_gradients_no_worse_than_fla(lens):
+# Fresh inputs each run (a fixed seed until 2026-12-07): hypothesis draws the seed and replays a
+# failing one from its database. Two examples, as fla's backward autotunes once a process.
+@given(seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=2)
+def test_gpu_bf16_gradients_no_worse_than_fla(lens, seed):
     """bf16 inputs: every gradient's error against fp64 (same rounded inputs) beside fla's
     chunk_kda gradients on the same inputs, warned (so the figures reach the log's warnings
     summary); kda's within 1.1x of fla's and under BF16_GRAD_CAP."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    case = make_case(seq_lens=lens, H=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=14)
+    case = make_case(seq_lens=lens, H=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=seed)
     ref = gradients(case.to(torch.float64), "torch")
     ours = gradients(case, "triton")
     real = kda.chunk_kda
@@ -652,7 +656,7 @@ def test_gpu_bf16_gradients_no_worse_than_fla(lens):
         kda.chunk_kda = real
     report = {n: (rel(ours[n], ref[n]), rel(theirs[n], ref[n])) for n in ref}
     figures = {n: f"{a:.2e} / {b:.2e}" for n, (a, b) in report.items()}
-    warnings.warn(f"gradient rel RMS vs fp64, lens {lens}, kda / fla: {figures}", stacklevel=1)
+    warnings.warn(f"gradient rel RMS vs fp64, lens {lens}, seed {seed}, kda / fla: {figures}", stacklevel=1)
     for name, (ours_err, fla_err) in report.items():
         assert ours_err <= 1.1 * fla_err, f"d{name}: kda {ours_err:.3e} vs fla {fla_err:.3e}"
         assert ours_err < BF16_GRAD_CAP, f"d{name}: kda {ours_err:.3e} over the cap {BF16_GRAD_CAP}"
