@@ -636,8 +636,9 @@ def test_gpu_triton_gradients_match_fp64_large(T, H, group, gate, D, layout, see
 @pytest.mark.gpu
 @pytest.mark.skipif(not fla_available, reason="fla (flash-linear-attention) is not installed")
 @pytest.mark.parametrize("lens", [[1024], [512, 300, 777]])
-# Fresh inputs each run (a fixed seed until 2026-12-07): hypothesis draws the seed and replays a
-# failing one from its database. Two examples, as fla's backward autotunes once a process.
+# Fresh inputs each run (seed 14 always until 2026-12-07): hypothesis's first example is seed 0,
+# its second a new draw (run 213: 12455 and 1233), and a failure prints its seed. Two: the two
+# took 134 s for lens [512, 300, 777] in run 213 (fp64, kda's and fla's gradients at H32).
 @given(seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=2)
 def test_gpu_bf16_gradients_no_worse_than_fla(lens, seed):
