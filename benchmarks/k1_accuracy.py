@@ -14,7 +14,7 @@ import sys
 import torch
 
 import kda
-from kda.bench import contenders, make_inputs
+from kda.bench import contenders, make_inputs, reference64
 from kda.reference import relative_rms
 
 SEEDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
@@ -27,10 +27,7 @@ for case in ({"H": 8}, {"H": 96}, {"H": 8, "gate": "precomputed"}):
     for lens in ([1024], [512, 300, 777]):
         for seed in range(1, SEEDS + 1):
             tensors, kw = make_inputs({"seq_lens": lens, **case}, seed=seed)
-            kw64 = {
-                k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()
-            }
-            o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
+            o_ref, h_ref = reference64(tensors, kw)
             for name, call in calls.items():
                 with kda.record_dispatch() as events:
                     o, h = call(tensors, kw)

@@ -264,16 +264,26 @@ def versions() -> dict:
     return v
 
 
+def float64_kw(kw: dict) -> dict:
+    """``kw`` with its floating-point tensors (A_log, dt_bias, initial_state) in float64."""
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def reference64(tensors: tuple, kw: dict) -> tuple:
+    """``(o, final_state)`` of a ``make_inputs`` problem by the torch backend in float64."""
+    import kda
+
+    return kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **float64_kw(kw))
+
+
 def accuracy_rows(calls: dict) -> list[dict]:
     """The anchors' accuracy cases: relative RMS against fp64 of o and the final state."""
-    import kda
     from kda.reference import relative_rms
 
     rows = []
     for lens in ([1024], [512, 300, 777]):
         tensors, kw = make_inputs({"seq_lens": lens, "H": 8}, seed=1)
-        kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
-        o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
+        o_ref, h_ref = reference64(tensors, kw)
         for name, call in calls.items():
             o, h = call(tensors, kw)
             rows.append(
@@ -625,10 +635,7 @@ def train_accuracy_rows(calls: dict) -> list[dict]:
         tensors, kw = make_inputs({"seq_lens": lens, "H": 32}, seed=2)
         # fused_recurrent_kda takes neither (the gate is the same without safe_gate's promise)
         loop_kw = {n: v for n, v in kw.items() if n not in ("safe_gate", "cu_seqlens_cpu")}
-        as64 = {
-            n: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for n, v in loop_kw.items()
-        }
-        leaves, kw64, all64, (do, dht) = train_inputs(tuple(x.double() for x in tensors), as64)
+        leaves, kw64, all64, (do, dht) = train_inputs(tuple(x.double() for x in tensors), float64_kw(loop_kw))
         o, ht = kda.fused_recurrent_kda(*leaves, backend="torch", **kw64)
         torch.autograd.backward([o, ht], [do.double(), dht.double()])
         ref = {name: x.grad for name, x in zip(GRAD_NAMES, all64)}

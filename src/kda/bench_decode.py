@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kda.bench import fla_own_kernels, floor_ms, report_header, unused_stem, write_report
+from kda.bench import fla_own_kernels, float64_kw, floor_ms, report_header, unused_stem, write_report
 from kda.clocks import ClockSampler
 
 DECODE_SEQUENCES = (1, 32, 256, 1024)
@@ -174,9 +174,7 @@ def accuracy(calls: dict, N: int = 32) -> dict:
 
     t, kw = decode_inputs(N, T=4, seed=7)
     t64 = [x.double() for x in t]
-    kw64 = {**kw, "initial_state": kw["initial_state"].double(), "A_log": kw["A_log"].double(),
-            "dt_bias": kw["dt_bias"].double()}  # fmt: skip
-    o_ref, ht_ref = kda.fused_recurrent_kda(*t64, **kw64, output_final_state=True, backend="torch")
+    o_ref, ht_ref = kda.fused_recurrent_kda(*t64, **float64_kw(kw), output_final_state=True, backend="torch")
     out = {}
     for name, call in contenders("plain").items():
         o, ht = call(t, kw)
