@@ -31,8 +31,7 @@ def main():
     print("| variant | case | ms | / fla | o err | state err |")
     print("|---|---|---:|---:|---:|---:|")
     tensors, kw = bench.make_inputs({"seq_lens": [512, 300, 777], "H": 8}, seed=1)
-    kw64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
-    o_ref, h_ref = kda.chunk_kda(*(x.double() for x in tensors), backend="torch", **kw64)
+    o_ref, h_ref = bench.reference64(tensors, kw)
     acc = {}
     for name, var in VARIANTS.items():
         p = checked_problem(kda.chunk_kda, *tensors, **kw)
