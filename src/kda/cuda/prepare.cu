@@ -145,16 +145,14 @@ __host__ __device__ constexpr int wgmma_tile_offset(int rows, int r, int c) {
 #define KDA_K1_STORE_OFFSETS 0
 #endif
 // KDA_K1_A_TF32=1 (a candidate, 2026-12-05, off by default): A in one tf32 product, both operands
-// rounded to nearest (round_tf32, as M's), in place of 3xTF32. The design had 3xTF32 there because
+// rounded to nearest (as M's), in place of 3xTF32. The design had 3xTF32 there because
 // the solve amplifies A's errors. On the CUDA path's modelled roundings against float64 (T = 1024,
 // bf16 inputs, K = V = 128; the bench gate, a long memory, keys of cosine 0.92 to 0.9999, negative
 // eigenvalues, the precomputed gate) o and the final state moved by -0.2% to +0.5%: the
 // workspace's bf16 stores dominate (benchmarks/k1_products.py). A's splits go (two instructions
 // an operand element) with two of its three MMAs, and it shares M's rounded right operand:
 // kda_prepare_wgmma 1984 -> 1904 static instructions, 84 -> 68 HMMA, 80 registers, no spills.
-// A NaN that k's arithmetic made (0x7fffffff) rounds to zero here as in M; w's split (a mask)
-// still carries it into U and the chunk's own outputs, unless -DKDA_K1_W_TF32=1 rounds w's
-// operands too: then only k_restored carries it (the state and every later chunk).
+// A NaN in k, g or beta reaches A's row through the guarded rounding of K~ (round_tf32).
 #ifndef KDA_K1_A_TF32
 #define KDA_K1_A_TF32 0
 #endif
@@ -232,10 +230,21 @@ __device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x 
 
 // x rounded to the nearest tf32 value (ties away from zero) once the tensor core drops its
 // low 13 mantissa bits: one integer add instead of a truncation bias. For finite x (and
-// infinities); a NaN whose high mantissa bits are all ones wraps to a zero, so a NaN in q or
-// k does not reach M through this product. It still reaches the outputs, through q_decayed
-// and through A (split by a mask, which keeps NaNs; in the default build) and so w and the state.
-__device__ __forceinline__ uint32_t round_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+// infinities): a NaN that arithmetic makes (0x7fffffff) carries into the sign bit and becomes -0,
+// so a NaN in q or k does not reach M through this product. It still reaches the outputs,
+// through q_decayed and through A (split by a mask, which keeps NaNs) and so w and the state.
+__device__ __forceinline__ uint32_t round_tf32_finite(float x) { return __float_as_uint(x) + 0x1000u; }
+// The same, NaNs and infinities left as they are (a compare and a predicated add): A's left
+// operand K~ in the KDA_K1_A_TF32 build, so that a NaN in k, g or beta reaches A's row, then
+// inverse_beta's rows from that token on and through U every output of its chunk from there.
+// With the bare add there (and w's operands rounded so too) run 213 (H100, 2026-12-07) found
+// tokens 9-15 of a chunk finite after a NaN in k. The other operands need no guard: a NaN in q
+// reaches o through q_decayed, and w's NaN is inverse_beta's. The guard on every operand cost
+// 168 static instructions of kda_prepare_wgmma, on this one 16 (nvcc 13.0, 2026-12-07).
+__device__ __forceinline__ uint32_t round_tf32(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  return fabsf(x) < INFINITY ? bits + 0x1000u : bits;
+}
 
 // x_i = b_i - sum_{l < i} A_il x_l for the 16 rows of one right-hand side, in place.
 __device__ __forceinline__ void forward_substitute(float (&x)[kChunk], const float (*A)[kRowPad]) {
@@ -376,9 +385,9 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
       // path's modelled roundings o and the state moved by under 0.1% against float64
       // (benchmarks/w_rounding.py), and a third of w's MMAs go, with the operands' splits.
       const float(&x)[4] = a[k0 / 8];
-      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], round_tf32(x[0]), round_tf32(x[1]),
-                                               round_tf32(x[2]), round_tf32(x[3]), round_tf32(b[0]),
-                                               round_tf32(b[1]), d[0], d[1], d[2], d[3]);
+      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], round_tf32_finite(x[0]), round_tf32_finite(x[1]),
+                                               round_tf32_finite(x[2]), round_tf32_finite(x[3]),
+                                               round_tf32_finite(b[0]), round_tf32_finite(b[1]), d[0], d[1], d[2], d[3]);
 #else
       mma_3xtf32_single(d, a[k0 / 8], b);
 #endif
@@ -496,7 +505,8 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         left_fragment(a, s.kd, k0, g_row, t_col);
         left_fragment(qd, s.qd, k0, g_row, t_col);
       }
-      const uint32_t qd_tf32[4] = {round_tf32(qd[0]), round_tf32(qd[1]), round_tf32(qd[2]), round_tf32(qd[3])};
+      const uint32_t qd_tf32[4] = {round_tf32_finite(qd[0]), round_tf32_finite(qd[1]), round_tf32_finite(qd[2]),
+                                    round_tf32_finite(qd[3])};
 #if KDA_K1_A_TF32
       const uint32_t a_tf32[4] = {round_tf32(a[0]), round_tf32(a[1]), round_tf32(a[2]), round_tf32(a[3])};
 #endif
@@ -504,7 +514,7 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         const float b[2] = {kLdsm ? b_halves[half][0] : s.ki()[half * 8 + g_row][k0 + t_col],
                             kLdsm ? b_halves[half][1] : s.ki()[half * 8 + g_row][k0 + t_col + 4]};
 #if KDA_K1_A_TF32
-        const uint32_t b_tf32[2] = {round_tf32(b[0]), round_tf32(b[1])};
+        const uint32_t b_tf32[2] = {round_tf32_finite(b[0]), round_tf32_finite(b[1])};
         float(&d)[4] = a_acc[half];
         float(&m)[4] = m_acc[half];
         using Tf32 = cute::SM80_16x8x8_F32TF32TF32F32_TN;
@@ -516,7 +526,7 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         mma_3xtf32(a_acc[half], a, b);
         float(&m)[4] = m_acc[half];
         cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(m[0], m[1], m[2], m[3], qd_tf32[0], qd_tf32[1], qd_tf32[2],
-                                                 qd_tf32[3], round_tf32(b[0]), round_tf32(b[1]), m[0], m[1],
+                                                 qd_tf32[3], round_tf32_finite(b[0]), round_tf32_finite(b[1]), m[0], m[1],
                                                  m[2], m[3]);
 #endif
       }
