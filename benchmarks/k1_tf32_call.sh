@@ -10,7 +10,9 @@
 #          call cut short still answers the question the merge waits on;
 #   suite  the whole suite on .kernels-tf32a (gpu_session.sh tests; TEST_TIMEOUT, default 430);
 #   ab     prepare_ab.py of the three builds (K1_ROUNDS rounds, default 2): the two tf32 builds'
-#          hashes must match (the guard changes no finite result), their times say what it costs.
+#          hashes must match (the guard changes no finite result), their times say what it costs;
+#   bench  kda bench on .kernels-tf32a beside fla in the same process (FLA_FLASH_KDA=0): the anchor
+#          cases 0-3, then --long --cases ${BENCH_LONG:-3,1,0}; results and logs in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -30,4 +32,15 @@ if [[ $steps == *" ab "* ]]; then
   timeout ${AB_TIMEOUT:-300} env WIDTH_AB=".kernels-tf32:auto .kernels-tf32a:auto .kernels:auto" \
     WIDTH_AB_ROUNDS=${K1_ROUNDS:-2} OUT=$OUT bash benchmarks/gpu_session.sh widthab 2>&1 | tail -20
   PYTHONPATH=src python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl"
+fi
+if [[ $steps == *" bench "* ]]; then
+  # (results and logs of both runs in one archive: at most 8 files come back from $OUT)
+  b=$OUT/bench-tf32a; mkdir -p "$b"
+  KERNELS=.kernels-tf32a BENCH_ARGS="--impls kda-cuda,fla --cases 0,1,2,3 --tag=-tf32a" BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} \
+    OUT=$b bash benchmarks/gpu_session.sh bench 2>&1 | tail -16
+  mv "$b/logs-bench.tgz" "$b/logs-bench-anchors.tgz"
+  KERNELS=.kernels-tf32a BENCH_ARGS="--long --impls kda-cuda,fla --cases ${BENCH_LONG:-3,1,0} --tag=-tf32a-long" \
+    BENCH_TIMEOUT=${LONG_TIMEOUT:-250} OUT=$b bash benchmarks/gpu_session.sh bench 2>&1 | tail -16
+  mv "$b/triton-autotune-cards.tgz" "$OUT/"
+  tar czf "$OUT/bench-tf32a.tgz" -C "$OUT" bench-tf32a && rm -rf "$b"
 fi
