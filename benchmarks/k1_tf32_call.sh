@@ -8,9 +8,9 @@
 # K1_STEPS (default "nan suite"), in this order:
 #   nan    tests/test_nan.py on .kernels-tf32a first (run 213's two failures must pass), so that a
 #          call cut short still answers the question the merge waits on;
-#   suite  the whole suite on .kernels-tf32a (gpu_session.sh tests; TEST_TIMEOUT, default 430);
 #   ab     prepare_ab.py of the three builds (K1_ROUNDS rounds, default 2): the two tf32 builds'
 #          hashes must match (the guard changes no finite result), their times say what it costs;
+#   suite  the whole suite on .kernels-tf32a (gpu_session.sh tests; TEST_TIMEOUT, default 430);
 #   bench  kda bench on .kernels-tf32a beside fla in the same process (FLA_FLASH_KDA=0): the anchor
 #          cases 0-3, then --long --cases ${BENCH_LONG:-3,1,0}; results and logs in $OUT.
 set -uo pipefail
@@ -24,14 +24,14 @@ if [[ $steps == *" nan "* ]]; then
      python3 -m pytest -v -p no:cacheprovider tests/test_nan.py > "$OUT/test-nan-tf32a.log" 2>&1
    tail -4 "$OUT/test-nan-tf32a.log")
 fi
-if [[ $steps == *" suite "* ]]; then
-  KERNELS=.kernels-tf32a WORKERS=14 TEST_TIMEOUT=${TEST_TIMEOUT:-430} BIGMEM=0 PER_TEST_TIMEOUT=300 OUT=$OUT \
-    bash benchmarks/gpu_session.sh tests 2>&1 | tail -25
-fi
 if [[ $steps == *" ab "* ]]; then
   timeout ${AB_TIMEOUT:-300} env WIDTH_AB=".kernels-tf32:auto .kernels-tf32a:auto .kernels:auto" \
     WIDTH_AB_ROUNDS=${K1_ROUNDS:-2} OUT=$OUT bash benchmarks/gpu_session.sh widthab 2>&1 | tail -20
   PYTHONPATH=src python3 benchmarks/prepare_ab.py --summary "$OUT/width-ab.jsonl"
+fi
+if [[ $steps == *" suite "* ]]; then
+  KERNELS=.kernels-tf32a WORKERS=14 TEST_TIMEOUT=${TEST_TIMEOUT:-430} BIGMEM=0 PER_TEST_TIMEOUT=300 OUT=$OUT \
+    bash benchmarks/gpu_session.sh tests 2>&1 | tail -25
 fi
 if [[ $steps == *" bench "* ]]; then
   # (results and logs of both runs in one archive: at most 8 files come back from $OUT)
