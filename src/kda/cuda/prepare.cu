@@ -385,9 +385,10 @@ __device__ __forceinline__ void w_tiles(const PrepareTiles& s, unsigned char* ws
       // path's modelled roundings o and the state moved by under 0.1% against float64
       // (benchmarks/w_rounding.py), and a third of w's MMAs go, with the operands' splits.
       const float(&x)[4] = a[k0 / 8];
-      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], round_tf32_finite(x[0]), round_tf32_finite(x[1]),
-                                               round_tf32_finite(x[2]), round_tf32_finite(x[3]),
-                                               round_tf32_finite(b[0]), round_tf32_finite(b[1]), d[0], d[1], d[2], d[3]);
+      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], round_tf32_finite(x[0]),
+                                               round_tf32_finite(x[1]), round_tf32_finite(x[2]),
+                                               round_tf32_finite(x[3]), round_tf32_finite(b[0]),
+                                               round_tf32_finite(b[1]), d[0], d[1], d[2], d[3]);
 #else
       mma_3xtf32_single(d, a[k0 / 8], b);
 #endif
@@ -526,8 +527,8 @@ __device__ __forceinline__ void prepare_body(const Params& p, PrepareShared<kMay
         mma_3xtf32(a_acc[half], a, b);
         float(&m)[4] = m_acc[half];
         cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(m[0], m[1], m[2], m[3], qd_tf32[0], qd_tf32[1], qd_tf32[2],
-                                                 qd_tf32[3], round_tf32_finite(b[0]), round_tf32_finite(b[1]), m[0], m[1],
-                                                 m[2], m[3]);
+                                                 qd_tf32[3], round_tf32_finite(b[0]), round_tf32_finite(b[1]), m[0],
+                                                 m[1], m[2], m[3]);
 #endif
       }
     }
